@@ -1,0 +1,40 @@
+# longseq — `make train` and `make test` install what is missing first (a .venv in this folder).
+PY      := .venv/bin/python
+STAMP   := .venv/.installed
+ARGS    ?=
+
+.PHONY: help install train test test-slow bench lint clean clean-logs
+
+help:  ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3.11 -m venv .venv || python3 -m venv .venv
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)  ## create .venv and install the package with pinned dependencies (idempotent)
+
+train: $(STAMP)  ## train the default job (digits, full attention, CPU, a few minutes); extra overrides via ARGS="..."
+	$(PY) train.py $(ARGS)
+
+test: $(STAMP)  ## the fast test suite (CPU, minutes)
+	$(PY) -m pytest -q $(ARGS)
+
+test-slow: $(STAMP)  ## the slow suite: sweeps, experiments, longer training
+	$(PY) -m pytest -q -m slow $(ARGS)
+
+bench: $(STAMP)  ## attention speed/memory benchmark (logs/bench/<timestamp>/)
+	$(PY) -m longseq.bench $(ARGS)
+
+lint: $(STAMP)  ## ruff (installed on demand)
+	$(PY) -m pip install --quiet ruff==0.14.*
+	$(PY) -m ruff check src tests train.py eval.py
+
+clean:  ## remove caches and build leftovers (keeps .venv, data/ and logs/)
+	rm -rf build dist src/*.egg-info .pytest_cache .ruff_cache
+	find . -name __pycache__ -type d -prune -not -path './.venv/*' -exec rm -rf {} +
+
+clean-logs:  ## remove every run under logs/
+	rm -rf logs/*

@@ -1,0 +1,131 @@
+"""Combiner-Fixed (Ren et al. 2021, §4.1): direct attention inside the own segment, one summary per other segment.
+
+The sequence is cut into n = L / m segments of length m (``block_size``), segment g = row g of the
+row-major grid. For a query in segment g:
+
+- causal (official JAX ``_SelfAttSqrtn``): direct keys = own segment up to and including self;
+  regions = every EARLIER segment g' < g;
+- bidirectional (clean partition, not the TF double counting): direct keys = the whole own segment;
+  regions = every OTHER segment g' != g.
+
+A region's summary key is the pooled key of the segment, its value the local expectation
+v_bar = sum_t softmax_t(q_bar . k_t) v_t with q_bar the pooled (scaled) queries of the segment. Each
+query runs ONE softmax over [direct logits ; summary logits]; regions a query may not use are masked.
+Cost O(L (m + n) D) time, O(L (m + n)) memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from longseq.attention.base import Attention, AttentionConfigError
+from longseq.attention.geometry import Grid
+from longseq.attention.registry import register_attention
+from longseq.attention.summary import RegionSummary, effective_attention_matrix
+
+
+@register_attention("combiner_fixed")
+class CombinerFixedAttention(Attention):
+    """Combiner-Fixed, causal or bidirectional.
+
+    Args:
+        causal: autoregressive partition (earlier segments only) or the bidirectional clean partition.
+        block_size: segment length m; must divide the sequence length.
+        summary: region pooling, one of ``max`` (default, official), ``mean``, ``deepsets_max``,
+            ``deepsets_mean`` (the DeepSets kinds learn two D x D maps and need ``head_dim``).
+        seq_len, n_heads, head_dim, dropout: see ``Attention``. Dropout acts on the inner summary
+            weights p(j|R) only, as in the official JAX layer (the joint softmax stays fused).
+    """
+
+    def __init__(
+        self,
+        *,
+        causal: bool,
+        block_size: int,
+        summary: str = "max",
+        seq_len: int | None = None,
+        n_heads: int | None = None,
+        head_dim: int | None = None,
+        dropout: float = 0.0,
+    ) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise AttentionConfigError(f"attention.block_size must be a positive integer, got {block_size!r}")
+        self.block_size = block_size
+        super().__init__(causal=causal, seq_len=seq_len, n_heads=n_heads, head_dim=head_dim, dropout=dropout)
+        self.summary = RegionSummary(summary, head_dim)
+        self.has_parameters = self.summary.has_parameters
+        self._mask_cache: dict[tuple, torch.Tensor] = {}
+
+    def requires_len_multiple_of(self) -> int:
+        return self.block_size
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, block_size={self.block_size}, summary={self.summary.kind}"
+
+    # -- geometry -------------------------------------------------------------------------------
+    def grid(self, length: int) -> Grid:
+        """The n x m segment grid for ``length``; raises naming ``attention.block_size`` if m does not tile it."""
+        return Grid.of(length, self.block_size)
+
+    def joint_mask(self, n: int, m: int, device: torch.device) -> torch.Tensor:
+        """(1, n, m, m + n) bool, True = may attend: [own-segment keys ; the n segment summaries] per segment."""
+        key = (n, m, str(device), self.causal)
+        if key not in self._mask_cache:
+            segment = torch.arange(n, device=device)
+            if self.causal:
+                within = torch.ones(m, m, dtype=torch.bool, device=device).tril()
+                uses = segment.unsqueeze(1) > segment.unsqueeze(0)  # (g, g'): g' < g
+            else:
+                within = torch.ones(m, m, dtype=torch.bool, device=device)
+                uses = segment.unsqueeze(1) != segment.unsqueeze(0)
+            mask = torch.cat([within.expand(n, m, m), uses.unsqueeze(1).expand(n, m, n)], -1)
+            self._mask_cache[key] = mask.unsqueeze(0).contiguous()
+        return self._mask_cache[key]
+
+    def partition(self, length: int, device: torch.device | None = None):
+        """The partition as dense sets (for tests and ``attention_matrix``).
+
+        Returns ``direct`` (L, L) bool (query i attends key j directly), ``regions`` (n, L) bool
+        (segment membership) and ``region_allowed`` (L, n) bool (query i uses the summary of segment g').
+        """
+        grid = self.grid(length)
+        seg = grid.rows(device)  # (L,)
+        pos = torch.arange(length, device=device)
+        same = seg.unsqueeze(1) == seg.unsqueeze(0)
+        direct = same & (pos.unsqueeze(1) >= pos.unsqueeze(0)) if self.causal else same
+        regions = torch.arange(grid.n_rows, device=device).unsqueeze(1) == seg.unsqueeze(0)  # (n, L)
+        other = torch.arange(grid.n_rows, device=device).unsqueeze(0)  # (1, n)
+        region_allowed = other < seg.unsqueeze(1) if self.causal else other != seg.unsqueeze(1)
+        return direct, regions, region_allowed
+
+    # -- the contract -----------------------------------------------------------------------------
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """(B, H, L, D) unscaled q, k, v -> (B, H, L, D) (v may have its own last width)."""
+        B, H, L, D = q.shape
+        grid = self.grid(L)
+        n, m = grid.n_rows, grid.n_cols
+        # fold (B, H) into one batch axis and put segments in SDPA's "heads" slot: 4-D inputs keep
+        # the fused CPU kernel (a 5-D layout silently falls back to the math path)
+        qs = self.scale(q).reshape(B * H, n, m, D)
+        kb = k.reshape(B * H, n, m, D)
+        vb = v.reshape(B * H, n, m, v.shape[-1])
+
+        q_bar = self.summary.pool_queries(qs, -2)  # (BH, n, D)
+        k_bar = self.summary.pool_keys(kb, -2)  # (BH, n, D)
+        inner = (q_bar.unsqueeze(-2) @ kb.transpose(-1, -2)).softmax(-1)  # (BH, n, 1, m): p(t | segment)
+        v_bar = (self.weight_dropout(inner) @ vb).squeeze(-2)  # (BH, n, Dv)
+
+        # every segment sees the same n summaries; which ones it may use is the mask's business
+        keys = torch.cat([kb, k_bar.unsqueeze(1).expand(-1, n, -1, -1)], -2)  # (BH, n, m + n, D)
+        values = torch.cat([vb, v_bar.unsqueeze(1).expand(-1, n, -1, -1)], -2)  # (BH, n, m + n, Dv)
+        out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=self.joint_mask(n, m, q.device), scale=1.0)
+        return out.reshape(B, H, L, -1)
+
+    def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """(B, H, L, L) effective weights, built densely from ``partition`` (independent of ``forward``)."""
+        direct, regions, region_allowed = self.partition(q.shape[-2], q.device)
+        return effective_attention_matrix(q, k, self.summary, direct, regions, region_allowed)
+
+
+__all__ = ["CombinerFixedAttention"]

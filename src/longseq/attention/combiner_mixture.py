@@ -1,0 +1,327 @@
+"""Combiner axial family with pooled regions: ``combiner_axial_vertical``, ``combiner_axial_horizontal``
+and ``combiner_mixture`` (Ren et al. 2021 §4.3 / appendix C; official ``_AxialMixtureAtt``).
+
+Grid view: ``L = n * m`` positions on ``n`` rows of ``m = block_size`` columns, ``p = r * m + c``.
+All three share one direct part for query ``(r, c)``:
+
+- causal: own row up to and including self (``c' <= c``) + own column strictly above (``r' < r``);
+- bidirectional: own row (all columns) + own column (other rows); self once.
+
+Regions (each one joint-softmax logit; summary key = pooled keys, summary value = inner softmax of
+the pooled query over the region's keys; empty regions are masked):
+
+- vertical, for every other column ``c' != c``: causal ``V(c') = {(r', c') : r' < r}`` (column
+  prefix, the official running-max layout); bidirectional the column without row r, split into
+  above (``r' < r``) and below (``r' > r``).
+- horizontal (``combiner_axial_horizontal``, ``horizontal_regions=whole``): for every earlier row
+  ``r' < r`` (bidirectional: every other row) ONE region ``{(r', c') : c' != c}``; its pooled key is
+  the pool of the row without column c, its inner softmax runs over the row with column c masked.
+  ``horizontal_regions=split`` (and the mixture) use the official halves ``HL(r') = {c' < c}`` and
+  ``HR(r') = {c' > c}``.
+- ``combiner_mixture``: direct + vertical + split horizontal, ONE softmax over
+  ``[D1 | D2 | V | HL | HR]`` (width ``3n + 2m`` causal). A position outside the query's row and
+  column lies in one vertical AND one horizontal region — the intended double coverage; the joint
+  softmax learns the mixing. ``plans=average`` instead averages the two factorizations, each with
+  its own softmax over ``[direct | vertical]`` and ``[direct | horizontal]`` (paper §3.3: a mixture
+  of M partition plans with uniform weights 1/M).
+
+Pooling (``summary``): ``max`` (official JAX running max), ``mean``, ``deepsets_max``,
+``deepsets_mean`` via ``RegionSummary``; queries are scaled by 1/sqrt(D) once, before pooling.
+Prefix regions are pooled inclusively and shifted by one (official order), so no inner softmax ever
+runs over an empty set. Weight dropout applies to the joint weights only (the official layer has none).
+
+Fast path: row-layout ``(B, H, n, m, ·)`` and column-layout ``(B, H, m, n, ·)`` logits from batched
+matmuls, concatenated in the row layout, one softmax, split — ``O(L (n + m))`` memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from longseq.attention.base import Attention, AttentionConfigError
+from longseq.attention.combiner_axial import NEG_INF, RegionPartition, effective_matrix, to_grid
+from longseq.attention.geometry import Grid
+from longseq.attention.registry import register_attention
+from longseq.attention.summary import RegionSummary
+
+VERTICAL, HORIZONTAL = 0, 1
+PLANS = ("joint", "average")
+HORIZONTAL_REGIONS = ("whole", "split")
+
+
+class LogitGroup:
+    """One block of candidate keys for every query, with the values its weights apply to.
+
+    ``layout="row"``: keys/values ``(B, H, n, w, D)`` shared by the queries of a row, mask
+    broadcastable to ``(n, m, w)``. ``layout="col"``: keys/values ``(B, H, m, w, D)`` shared by the
+    queries of a column, mask broadcastable to ``(m, n, w)``. ``logits`` come out in the row layout
+    ``(B, H, n, m, w)`` so all groups concatenate on the last axis.
+    """
+
+    def __init__(self, layout: str, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None):
+        self.layout, self.keys, self.values, self.mask = layout, keys, values, mask
+        self.width = keys.shape[-2]
+
+    def logits(self, q_row: torch.Tensor, q_col: torch.Tensor) -> torch.Tensor:
+        q = q_row if self.layout == "row" else q_col
+        logits = q @ self.keys.transpose(-1, -2)
+        if self.mask is not None:
+            logits = logits.masked_fill(~self.mask, NEG_INF)
+        return logits if self.layout == "row" else logits.transpose(2, 3)
+
+    def apply(self, weights: torch.Tensor) -> torch.Tensor:
+        """Row-layout weights ``(B, H, n, m, w)`` -> output ``(B, H, n, m, D)``."""
+        if self.layout == "row":
+            return weights @ self.values
+        return (weights.transpose(2, 3) @ self.values).transpose(2, 3)
+
+
+class PooledAxialAttention(Attention):
+    """Shared machinery of the pooled axial variants; subclasses choose the region families.
+
+    Args:
+        block_size: m, the row length (columns); must divide L.
+        summary: region pooling, one of ``max`` (default), ``mean``, ``deepsets_max``, ``deepsets_mean``.
+    """
+
+    use_vertical = True
+    horizontal_regions: str | None = "split"
+    plans = "joint"
+
+    def __init__(self, *, causal: bool, block_size: int, summary: str = "max", **common) -> None:
+        if int(block_size) < 1:
+            raise AttentionConfigError(f"attention.block_size must be a positive integer, got {block_size}")
+        self.block_size = int(block_size)
+        super().__init__(causal=causal, **common)
+        self.summary_kind = summary
+        self.summary = RegionSummary(summary, self.head_dim)
+        self.has_parameters = self.summary.has_parameters
+
+    def requires_len_multiple_of(self) -> int:
+        return self.block_size
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, block_size={self.block_size}, summary={self.summary_kind}"
+
+    # -- summaries along one axis (fast path) ----------------------------------------------------
+    def prefix_summaries(self, q, k, v, reverse: bool = False):
+        """Summaries of the strict prefixes ``[0, t)`` (suffixes ``(t, T)`` if ``reverse``) along axis -2.
+
+        q (scaled), k, v: ``(..., T, D)``. Returns summary keys and values ``(..., T, D)``; the empty
+        region (t = 0, or T-1 when reversed) gets zeros, which callers mask.
+        """
+        if reverse:
+            k_bar, v_bar = self.prefix_summaries(q.flip(-2), k.flip(-2), v.flip(-2))
+            return k_bar.flip(-2), v_bar.flip(-2)
+        T = q.shape[-2]
+        q_pool = self.summary.prefix_queries(q, -2)
+        k_pool = self.summary.prefix_keys(k, -2)
+        later = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+        inclusive = (q_pool @ k.transpose(-1, -2)).masked_fill(later, NEG_INF).softmax(-1) @ v
+        # Inclusive prefix [0, t] shifted by one = strict prefix [0, t): never an empty inner softmax.
+        return shift_forward(k_pool), shift_forward(inclusive)
+
+    def pool_excluding_own(self, x, prefix) -> torch.Tensor:
+        """For each t along axis -2 (T >= 2), the pool of all positions except t, ``(..., T, D)``."""
+        before_incl = prefix(x, -2)
+        if self.summary.reduce == "max":
+            after_incl = prefix(x.flip(-2), -2).flip(-2)
+            fill = torch.full_like(x[..., :1, :], NEG_INF)
+            before = torch.cat([fill, before_incl[..., :-1, :]], -2)
+            after = torch.cat([after_incl[..., 1:, :], fill], -2)
+            return torch.maximum(before, after)
+        T = x.shape[-2]
+        counts = torch.arange(1, T + 1, device=x.device, dtype=x.dtype).unsqueeze(-1)
+        sums = before_incl * counts  # running means -> running sums (of the pooled features)
+        own = sums - shift_forward(sums)
+        return (sums[..., -1:, :] - own) / (T - 1)
+
+    def excluding_own_summaries(self, q, k, v):
+        """Summary of "the whole axis except t" for each t along axis -2: keys, values ``(..., T, D)``."""
+        T = q.shape[-2]
+        q_pool = self.pool_excluding_own(q, self.summary.prefix_queries)
+        k_pool = self.pool_excluding_own(k, self.summary.prefix_keys)
+        own = torch.eye(T, dtype=torch.bool, device=q.device)
+        probs = (q_pool @ k.transpose(-1, -2)).masked_fill(own, NEG_INF).softmax(-1)
+        return k_pool, probs @ v
+
+    # -- fast path ------------------------------------------------------------------------------
+    def logit_groups(self, qr, kr, vr) -> tuple[list[LogitGroup], list[LogitGroup], list[LogitGroup]]:
+        """Direct, vertical and horizontal groups for row-layout q (scaled), k, v ``(B, H, n, m, D)``."""
+        n, m = qr.shape[2], qr.shape[3]
+        device = qr.device
+        rows, cols = torch.arange(n, device=device), torch.arange(m, device=device)
+        kc, vc = kr.transpose(2, 3), vr.transpose(2, 3)  # column layout (B, H, m, n, D)
+        qc = qr.transpose(2, 3)
+        other_col = cols[None, :, None] != cols[None, None, :]  # (1, m[c], m[c']) query col vs region col
+        if self.causal:
+            earlier_row = rows[None, :, None] > rows[None, None, :]  # (1, n[r], n[r']) r' < r
+            direct = [
+                LogitGroup("col", kc, vc, earlier_row),  # own column strictly above
+                LogitGroup("row", kr, vr, cols[None, :, None] >= cols[None, None, :]),  # own row up to self
+            ]
+        else:
+            earlier_row = rows[None, :, None] != rows[None, None, :]  # "other row" in both directions
+            direct = [LogitGroup("col", kc, vc, earlier_row), LogitGroup("row", kr, vr, None)]
+
+        vertical = []
+        if self.use_vertical:
+            k_above, v_above = self.prefix_summaries(qc, kc, vc)  # (B,H,m[c'],n[r],D): rows < r of c'
+            has_above = (rows > 0)[:, None, None]
+            vertical.append(LogitGroup("row", k_above.transpose(2, 3), v_above.transpose(2, 3), other_col & has_above))
+            if not self.causal:
+                k_below, v_below = self.prefix_summaries(qc, kc, vc, reverse=True)
+                has_below = (rows < n - 1)[:, None, None]
+                vertical.append(LogitGroup("row", k_below.transpose(2, 3), v_below.transpose(2, 3), other_col & has_below))
+
+        horizontal = []
+        if self.horizontal_regions == "split":
+            k_left, v_left = self.prefix_summaries(qr, kr, vr)  # (B,H,n[r'],m[c],D): row r', cols < c
+            k_right, v_right = self.prefix_summaries(qr, kr, vr, reverse=True)
+            has_left, has_right = (cols > 0)[:, None, None], (cols < m - 1)[:, None, None]
+            horizontal.append(LogitGroup("col", k_left.transpose(2, 3), v_left.transpose(2, 3), earlier_row & has_left))
+            horizontal.append(LogitGroup("col", k_right.transpose(2, 3), v_right.transpose(2, 3), earlier_row & has_right))
+        elif self.horizontal_regions == "whole" and m > 1:  # m = 1: the region {c' != c} is empty
+            k_whole, v_whole = self.excluding_own_summaries(qr, kr, vr)  # (B,H,n[r'],m[c],D)
+            horizontal.append(LogitGroup("col", k_whole.transpose(2, 3), v_whole.transpose(2, 3), earlier_row))
+        return direct, vertical, horizontal
+
+    def joint_softmax(self, groups: list[LogitGroup], qr, qc) -> torch.Tensor:
+        """One softmax over the concatenated groups' logits -> output ``(B, H, n, m, D)``."""
+        logits = torch.cat([g.logits(qr, qc) for g in groups], -1)
+        weights = self.weight_dropout(logits.softmax(-1))
+        out = None
+        for group, w in zip(groups, weights.split([g.width for g in groups], -1)):
+            part = group.apply(w)
+            out = part if out is None else out + part
+        return out
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """(B, H, L, D) unscaled -> (B, H, L, D)."""
+        L = q.shape[-2]
+        self.check_length(L)
+        grid = Grid.of(L, self.block_size)
+        qr, kr, vr = to_grid(self.scale(q), grid), to_grid(k, grid), to_grid(v, grid)
+        direct, vertical, horizontal = self.logit_groups(qr, kr, vr)
+        qc = qr.transpose(2, 3)
+        if self.plans == "average":
+            out = 0.5 * (self.joint_softmax(direct + vertical, qr, qc) + self.joint_softmax(direct + horizontal, qr, qc))
+        else:
+            out = self.joint_softmax(direct + vertical + horizontal, qr, qc)
+        return out.flatten(2, 3)
+
+    # -- explicit partition and dense reference ---------------------------------------------------
+    def partition(self, L: int, device=None) -> RegionPartition:
+        """Direct set and every non-empty region, built by broadcasting over grid coordinates.
+
+        Candidate regions are indexed by a grid position ``a = (ra, ca)`` per region kind; members
+        are tested on key coordinates ``(rj, cj)``, usability on query coordinates ``(ri, ci)``.
+        """
+        grid = Grid.of(L, self.block_size)
+        rows, cols = grid.rows(device), grid.cols(device)
+        r0, c0, r1, c1 = rows[:, None], cols[:, None], rows[None, :], cols[None, :]
+        if self.causal:
+            direct = ((r1 == r0) & (c1 <= c0)) | ((c1 == c0) & (r1 < r0))
+            earlier = r1 < r0  # (query row on axis 0, region row on axis 1)
+        else:
+            direct = (r1 == r0) | (c1 == c0)
+            earlier = r1 != r0
+        kinds = []  # (members (A, L) with region a on axis 0, usable (L, A) with query on axis 0, family)
+        if self.use_vertical:
+            same_row_other_col = (r0 == r1) & (c0 != c1)  # query (r, c) uses regions stored at row r, c' != c
+            kinds.append(((c1 == c0) & (r1 < r0), same_row_other_col, VERTICAL))
+            if not self.causal:
+                kinds.append(((c1 == c0) & (r1 > r0), same_row_other_col, VERTICAL))
+        same_col_earlier_row = (c0 == c1) & earlier
+        if self.horizontal_regions == "split":
+            kinds.append(((r1 == r0) & (c1 < c0), same_col_earlier_row, HORIZONTAL))
+            kinds.append(((r1 == r0) & (c1 > c0), same_col_earlier_row, HORIZONTAL))
+        elif self.horizontal_regions == "whole":
+            kinds.append(((r1 == r0) & (c1 != c0), same_col_earlier_row, HORIZONTAL))
+        if kinds:
+            members = torch.cat([mem for mem, _, _ in kinds], 0)
+            usable = torch.cat([use for _, use, _ in kinds], 1)
+            family = torch.cat([torch.full((L,), f, dtype=torch.long, device=device) for _, _, f in kinds])
+        else:
+            members = torch.zeros(0, L, dtype=torch.bool, device=device)
+            usable = torch.zeros(L, 0, dtype=torch.bool, device=device)
+            family = torch.zeros(0, dtype=torch.long, device=device)
+        anchor = torch.full_like(family, -1)
+        return RegionPartition.from_candidates(direct, members, usable, family, anchor)
+
+    def masked_pool(self, x: torch.Tensor, members: torch.Tensor, phi) -> torch.Tensor:
+        """Pool ``x`` ``(B, H, L, D)`` over each region's members ``(R, L)`` -> ``(B, H, R, D)`` (dense)."""
+        if phi is not None:
+            x = torch.relu(phi(x))
+        if self.summary.reduce == "max":
+            spread = x.unsqueeze(-3).masked_fill(~members.unsqueeze(-1), NEG_INF)  # (B,H,R,L,D)
+            return spread.amax(-2)
+        weights = members.to(x.dtype)
+        return (weights @ x) / weights.sum(-1, keepdim=True)
+
+    def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """(B, H, L, L) dense effective weights, built from ``partition`` (not from ``forward``)."""
+        L = q.shape[-2]
+        self.check_length(L)
+        part = self.partition(L, q.device)
+        qs = self.scale(q)
+        summary_q = self.masked_pool(qs, part.members, self.summary.phi_query)
+        summary_k = self.masked_pool(k, part.members, self.summary.phi_key)
+        if self.plans == "average":
+            plans = [part.usable & (part.family == f) for f in (VERTICAL, HORIZONTAL)]
+            return sum(effective_matrix(qs, k, part.direct, part.members, u, summary_q, summary_k) for u in plans) / 2
+        return effective_matrix(qs, k, part.direct, part.members, part.usable, summary_q, summary_k)
+
+
+def shift_forward(x: torch.Tensor) -> torch.Tensor:
+    """Move ``(..., T, D)`` one step along axis -2 (zeros at t = 0, last entry dropped)."""
+    return F.pad(x[..., :-1, :], (0, 0, 1, 0))
+
+
+@register_attention("combiner_axial_vertical")
+class CombinerAxialVertical(PooledAxialAttention):
+    """Direct part + vertical column regions only (logit width n + 2m causal); ``O(L (n + m) D)``."""
+
+    use_vertical = True
+    horizontal_regions = None
+
+
+@register_attention("combiner_axial_horizontal")
+class CombinerAxialHorizontal(PooledAxialAttention):
+    """Direct part + one region per earlier row without the query's column (width 2n + m causal).
+
+    Args:
+        horizontal_regions: ``whole`` (default, the paper's ``{(r', c') : c' != c}``) or ``split``
+            (the mixture's left/right halves, two logits per row).
+    """
+
+    use_vertical = False
+
+    def __init__(self, *, horizontal_regions: str = "whole", **kwargs) -> None:
+        if horizontal_regions not in HORIZONTAL_REGIONS:
+            raise AttentionConfigError(
+                f"attention.horizontal_regions={horizontal_regions!r} is not valid; choose one of {HORIZONTAL_REGIONS}"
+            )
+        self.horizontal_regions = horizontal_regions
+        super().__init__(**kwargs)
+
+
+@register_attention("combiner_mixture")
+class CombinerMixture(PooledAxialAttention):
+    """Vertical + split horizontal regions over one direct part (width 3n + 2m causal); ``O(L (n + m) D)``.
+
+    Args:
+        plans: ``joint`` (default, the official single softmax over both factorizations) or
+            ``average`` (mean of the vertical and the horizontal factorization's outputs, each
+            normalized separately — the paper's §3.3 mixture of partition plans, uniform weights).
+    """
+
+    use_vertical = True
+    horizontal_regions = "split"
+
+    def __init__(self, *, plans: str = "joint", **kwargs) -> None:
+        if plans not in PLANS:
+            raise AttentionConfigError(f"attention.plans={plans!r} is not valid; choose one of {PLANS}")
+        self.plans = plans
+        super().__init__(**kwargs)

@@ -1,0 +1,190 @@
+"""Benchmark outputs: environment record, results.csv, the Fig. 3-style plot and the markdown table."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# results.csv column order: the required six first, then the context of each row.
+COLUMNS = [
+    "attention", "length", "mode", "ms", "peak_mem_mb", "ratio_to_full",
+    "status", "note", "causal", "block_size", "n_clusters", "batch", "heads", "head_dim", "dtype", "device",
+    "repeats", "ms_min", "ms_max", "warmup_ms", "input_mem_mb",
+]
+
+
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo (falls back to ``platform.processor()``)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def environment(device: str, threads: int | None, memory_method: str) -> dict[str, Any]:
+    """What the numbers depend on: versions, threads, CPU/GPU names, memory method."""
+    import lightning
+
+    if threads:
+        torch.set_num_threads(threads)
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch_threads": torch.get_num_threads(),
+        "device": device,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+        "peak_memory_method": (
+            "torch.cuda.max_memory_allocated minus allocated after inputs"
+            if device.startswith("cuda") else f"CPU, fresh process per cell: {memory_method}"
+        ),
+        "git_commit": git_commit(),
+    }
+    return env
+
+
+def git_commit() -> str | None:
+    """The checked-out commit (read-only query), or None outside a repository / before the first commit."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parents[3])
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """``ratio_to_full = ms / full ms`` at the same length and mode, measured in this run."""
+    full_ms = {(r["length"], r["mode"]): r["ms"] for r in rows if r["attention"] == "full" and r["status"] == "ok"}
+    for row in rows:
+        reference = full_ms.get((row["length"], row["mode"]))
+        ok = row["status"] == "ok" and reference and not math.isnan(row["ms"])
+        row["ratio_to_full"] = row["ms"] / reference if ok else math.nan
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _csv_value(row.get(k)) for k in COLUMNS})
+
+
+def _csv_value(value: Any) -> Any:
+    if isinstance(value, float):
+        return "" if math.isnan(value) else f"{value:.6g}"
+    return "" if value is None else value
+
+
+def write_json(data: Any, path: Path) -> None:
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Two log-log panels like the Combiner paper's Fig. 3: ms/iter and peak memory vs length.
+
+    One colour per attention; solid lines for ``fwd``, dashed for ``fwd_bwd``. Cells that did not run
+    (oom, over budget, error) are left out, so a line ends where the attention stopped fitting.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    attentions = list(dict.fromkeys(r["attention"] for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    colours = plt.get_cmap("tab20" if len(attentions) > 10 else "tab10")
+    markers = "os^vD<>pP*Xh"
+    styles = {"fwd": "-", "fwd_bwd": "--"}
+    figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(13, 5.5))
+    for index, name in enumerate(attentions):
+        for mode in modes:
+            cells = sorted((r for r in rows if r["attention"] == name and r["mode"] == mode
+                            and r["status"] == "ok"), key=lambda r: r["length"])
+            if not cells:
+                continue
+            label = name if len(modes) == 1 else f"{name} ({mode})"
+            style = dict(color=colours(index % colours.N), marker=markers[index % len(markers)],
+                         linestyle=styles.get(mode, ":"), label=label, markersize=4)
+            lengths = [r["length"] for r in cells]
+            time_axis.plot(lengths, [r["ms"] for r in cells], **style)
+            # zero growth (below the page granularity) cannot sit on a log axis
+            memory = [(r["length"], max(r["peak_mem_mb"], 1e-2)) for r in cells if not math.isnan(r["peak_mem_mb"])]
+            if memory:
+                memory_axis.plot(*zip(*memory), **style)
+    for axis, ylabel in ((time_axis, "time (ms / iteration, median)"), (memory_axis, "peak memory (MB)")):
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("sequence length L")
+        axis.set_ylabel(ylabel)
+        axis.grid(True, which="both", alpha=0.3)
+    handles, labels = time_axis.get_legend_handles_labels()
+    if handles:
+        figure.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    figure.suptitle(title, fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(figure)
+
+
+def markdown_table(rows: list[dict[str, Any]], mode: str) -> str:
+    """One row per attention, one column per length: ``ms (ratio to full) / peak MB`` or the status."""
+    lengths = sorted({r["length"] for r in rows if r["mode"] == mode})
+    attentions = list(dict.fromkeys(r["attention"] for r in rows if r["mode"] == mode))
+    by_key = {(r["attention"], r["length"]): r for r in rows if r["mode"] == mode}
+    header = "| attention | causal | " + " | ".join(f"L={n}" for n in lengths) + " |"
+    lines = [header, "|" + "---|" * (len(lengths) + 2)]
+    for name in attentions:
+        cells, causal, notes = [], "", set()
+        for n in lengths:
+            row = by_key.get((name, n))
+            if row is None:
+                cells.append("")
+                continue
+            causal = str(row["causal"]).lower()
+            if row.get("note") and row["status"] == "ok":
+                notes.add(row["note"])
+            cells.append(_format_cell(row))
+        suffix = f" ({'; '.join(sorted(notes))})" if notes else ""
+        lines.append(f"| {name}{suffix} | {causal} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _format_cell(row: dict[str, Any]) -> str:
+    if row["status"] != "ok":
+        return row["status"]
+    ratio = row.get("ratio_to_full", math.nan)
+    ratio_text = "" if ratio is None or math.isnan(ratio) else f" ({ratio:.2f}x)"
+    memory = row["peak_mem_mb"]
+    memory_text = "" if math.isnan(memory) else f" / {memory:.1f} MB"
+    return f"{row['ms']:.2f} ms{ratio_text}{memory_text}"
+
+
+def throughput_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown for the training-throughput rows."""
+    lines = ["| attention | tokens/s (Lightning) | tokens/s (bare loop) | Lightning / bare step time | status |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        def fmt(value: Any, spec: str) -> str:
+            return "" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+        lines.append(f"| {r['attention']} | {fmt(r.get('tokens_per_s_lightning'), ',.0f')} | "
+                     f"{fmt(r.get('tokens_per_s_bare'), ',.0f')} | {fmt(r.get('lightning_overhead'), '.3f')} | "
+                     f"{r['status']}{(': ' + r['note']) if r.get('note') else ''} |")
+    return "\n".join(lines)

@@ -1,0 +1,160 @@
+"""The sweep: attentions x lengths x modes -> results.csv, plot.png, env.json and console tables."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+
+from longseq.bench import cell as cells
+from longseq.bench import report
+from longseq.bench.specs import CONF_DIR, build_spec, select_attentions
+
+REPO_ROOT = CONF_DIR.parent
+MODES = ("fwd", "fwd_bwd")
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("device=cuda requested but torch.cuda.is_available() is False; use device=cpu")
+    return device
+
+
+def output_directory(out_dir: str) -> Path:
+    """``<out_dir>/<timestamp>/`` with a relative ``out_dir`` taken from the repository root."""
+    base = Path(out_dir).expanduser()
+    if not base.is_absolute():
+        base = REPO_ROOT / base
+    stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    path, suffix = base / stamp, 1
+    while path.exists():
+        path, suffix = base / f"{stamp}_{suffix}", suffix + 1
+    path.mkdir(parents=True)
+    return path
+
+
+def validate(cfg: DictConfig) -> None:
+    modes = list(cfg.mode) if not isinstance(cfg.mode, str) else [cfg.mode]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise SystemExit(f"mode: unknown {unknown}; valid: {list(MODES)}")
+    if cfg.dtype not in cells.DTYPES:
+        raise SystemExit(f"dtype: '{cfg.dtype}' unknown; valid: {sorted(cells.DTYPES)}")
+    if cfg.repeats < 1 or cfg.budget_s <= 0:
+        raise SystemExit("repeats must be >= 1 (>= 5 for quoted numbers) and budget_s > 0")
+    if cfg.unsupported_causal not in ("fallback", "skip"):
+        raise SystemExit("unsupported_causal: valid values are fallback, skip")
+
+
+def run_benchmark(cfg: DictConfig, console: Console | None = None) -> Path:
+    """Run the whole sweep described by ``cfg`` (conf/bench.yaml) and return the output directory."""
+    console = console or Console(highlight=False)
+    validate(cfg)
+    device = resolve_device(str(cfg.device))
+    isolate = device == "cpu" if cfg.isolate == "auto" else bool(cfg.isolate)
+    names = select_attentions(OmegaConf.to_object(cfg.attentions) if OmegaConf.is_config(cfg.attentions)
+                              else cfg.attentions)
+    lengths = sorted(int(n) for n in cfg.lengths)
+    modes = [cfg.mode] if isinstance(cfg.mode, str) else list(cfg.mode)
+    out = output_directory(str(cfg.out_dir))
+
+    memory_method = cells.cpu_memory_method() if device == "cpu" else "cuda"
+    env = report.environment(device, cfg.threads, memory_method)
+    env["isolated_cells"] = isolate
+    report.write_json(env, out / "env.json")
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    console.rule("longseq.bench")
+    for key, value in env.items():
+        console.print(f"[bold]{key}[/bold]: {value}")
+    console.print(f"attentions ({len(names)}): {', '.join(names)}")
+    console.print(f"lengths: {lengths}  modes: {modes}  B={cfg.batch} H={cfg.heads} D={cfg.head_dim} "
+                  f"dtype={cfg.dtype} causal={cfg.causal} repeats={cfg.repeats} budget_s={cfg.budget_s}")
+
+    rows: list[dict[str, Any]] = []
+    for name in names:
+        stopped: dict[str, tuple[str, str]] = {}  # mode -> (status, note) for the longer lengths
+        for length in lengths:
+            spec = build_spec(name, length, causal=bool(cfg.causal), n_heads=cfg.heads, head_dim=cfg.head_dim,
+                              block_size=cfg.block_size, unsupported_causal=cfg.unsupported_causal)
+            for mode in modes:
+                row: dict[str, Any] = {
+                    "attention": name, "length": length, "mode": mode, "causal": spec.causal,
+                    "block_size": spec.block_size, "n_clusters": spec.n_clusters, "batch": cfg.batch,
+                    "heads": cfg.heads, "head_dim": cfg.head_dim, "dtype": cfg.dtype, "device": device,
+                    "repeats": cfg.repeats,
+                }
+                if spec.skip_reason:
+                    result = cells.CellResult("skipped", note=spec.skip_reason)
+                elif mode in stopped:
+                    result = cells.CellResult(*stopped[mode])
+                else:
+                    cell_spec = cells.CellSpec(
+                        attention=name, length=length, mode=mode, kwargs=spec.kwargs, batch=cfg.batch,
+                        heads=cfg.heads, head_dim=cfg.head_dim, dtype=cfg.dtype, device=device,
+                        warmup=cfg.warmup, repeats=cfg.repeats, budget_s=float(cfg.budget_s),
+                        threads=cfg.threads, seed=cfg.seed,
+                    )
+                    result = cells.run_isolated(cell_spec) if isolate else cells.measure_cell(cell_spec)
+                    if result.status in ("oom", "over_budget") and cfg.skip_longer_after_failure:
+                        stopped[mode] = (result.status, f"not run: {result.status} at L={length}")
+                    if spec.note and result.status == "ok":
+                        result.note = spec.note
+                row.update(result.as_dict())
+                rows.append(row)
+                console.print(f"  {name:28s} L={length:<6d} {mode:8s} {_progress_text(row)}")
+
+    report.add_ratios(rows)
+    report.write_csv(rows, out / "results.csv")
+    if cfg.plot:
+        title = (f"longseq.bench on {env['gpu'] or env['cpu']} ({device}, {env['torch_threads']} threads, "
+                 f"torch {env['torch']}): B={cfg.batch} H={cfg.heads} D={cfg.head_dim} {cfg.dtype}, "
+                 f"causal={cfg.causal}; solid fwd, dashed fwd_bwd")
+        report.plot(rows, out / "plot.png", title)
+
+    markdown = []
+    for mode in modes:
+        markdown.append(f"### {mode}: median ms/iter (ratio to full) / peak MB above inputs\n")
+        markdown.append(report.markdown_table(rows, mode) + "\n")
+    if cfg.throughput:
+        from longseq.bench.throughput import THROUGHPUT_COLUMNS, measure_throughput
+
+        step = cfg.train_step
+        requested = step.attentions
+        step_names = names if requested is None else select_attentions(
+            OmegaConf.to_object(requested) if OmegaConf.is_config(requested) else requested)
+        console.print(f"training throughput ({len(step_names)} attentions, L={step.seq_len}, batch {step.batch}) ...")
+        step_rows = measure_throughput(step_names, step, device)
+        _write_rows(step_rows, THROUGHPUT_COLUMNS, out / "throughput.csv")
+        markdown.append(f"### training step: tokens/s, L={step.seq_len}, batch {step.batch}, "
+                        f"{step.n_layers} layers d={step.d_model}, AdamW\n")
+        markdown.append(report.throughput_table(step_rows) + "\n")
+    text = "\n".join(markdown)
+    (out / "results.md").write_text(text)
+    console.rule("results")
+    console.print(text, markup=False)
+    console.print(f"wrote {out}/results.csv, plot.png, env.json, results.md")
+    return out
+
+
+def _progress_text(row: dict[str, Any]) -> str:
+    if row["status"] != "ok":
+        return f"{row['status']}: {row['note']}"
+    memory = "" if math.isnan(row["peak_mem_mb"]) else f"  peak {row['peak_mem_mb']:.1f} MB"
+    return f"{row['ms']:9.2f} ms{memory}"
+
+
+def _write_rows(rows: list[dict[str, Any]], columns: list[str], path: Path) -> None:
+    import csv
+
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: report._csv_value(row.get(k)) for k in columns})

@@ -1,0 +1,182 @@
+"""Which attentions to benchmark and how to build each one exactly as training would.
+
+Training builds an attention from ``conf/attention/<name>.yaml`` whose geometry knobs interpolate the
+task (``${task.causal}``, ``${task.block_size}``, ``${task.n_clusters}``). The benchmark has no task, so
+it resolves the same YAML against a synthetic task geometry derived from the length L.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from longseq.attention.registry import ATTENTION_REGISTRY, PARTITION_FAMILIES
+
+CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
+
+# ``sparse`` / ``combiner`` resolve through ``partition=`` to a registered preset: benchmarking them
+# would time the same module twice.
+GENERIC_NAMES = frozenset(PARTITION_FAMILIES)
+
+# Families for the quick preset, with the members preferred as representatives (the Combiner paper's
+# Fig. 3 set first); names not listed fall back to the registry order.
+SPARSE_NAMES = frozenset(PARTITION_FAMILIES["sparse"].values()) | {
+    "local", "strided", "longformer", "bigbird", "random",
+}
+FAMILY_PREFERENCE = {
+    "dense": ["full"],
+    "sparse": ["fixed", "axial", "bigbird", "logsparse", "local"],
+    "combiner": ["combiner_fixed", "combiner_axial", "combiner_mixture", "combiner_logsparse"],
+    "efficient": ["performer", "linear", "nystrom", "linformer"],
+}
+PER_FAMILY_QUICK = 2
+
+
+def family_of(name: str) -> str:
+    """The family a registered attention belongs to: dense, sparse, combiner or efficient (the rest)."""
+    if name == "full":
+        return "dense"
+    if name.startswith("combiner") or name in PARTITION_FAMILIES["combiner"].values():
+        return "combiner"
+    if name in SPARSE_NAMES:
+        return "sparse"
+    return "efficient"
+
+
+def registered_names() -> list[str]:
+    """Every benchmarkable registered attention (the generic partition entries excluded), full first."""
+    import longseq.attention  # noqa: F401  (imports every variant module so that all names register)
+
+    names = [n for n in ATTENTION_REGISTRY if n not in GENERIC_NAMES]
+    return sorted(names, key=lambda n: (n != "full", n))
+
+
+def quick_names() -> list[str]:
+    """Up to two representatives per family among what is registered right now."""
+    by_family: dict[str, list[str]] = {}
+    for name in registered_names():
+        by_family.setdefault(family_of(name), []).append(name)
+    picked: list[str] = []
+    for family in ["dense", "sparse", "combiner", "efficient"]:
+        members = by_family.get(family, [])
+        preferred = [n for n in FAMILY_PREFERENCE[family] if n in members]
+        ordered = preferred + [n for n in members if n not in preferred]
+        picked += ordered[:PER_FAMILY_QUICK]
+    return picked
+
+
+def select_attentions(requested: Any) -> list[str]:
+    """Resolve the ``attentions`` knob: null / ``all`` -> every registered name; ``quick`` -> the quick
+    picks; else the listed names. ``full`` is always included because every ratio is relative to it."""
+    if requested is None or requested == "all" or requested == ["all"]:
+        names = registered_names()
+    elif requested == "quick" or requested == ["quick"]:
+        names = quick_names()
+    else:
+        names = [requested] if isinstance(requested, str) else list(requested)
+    names = [n for n in dict.fromkeys(names)]
+    if "full" not in names:
+        names.insert(0, "full")
+    return names
+
+
+def synthetic_block_size(length: int) -> int:
+    """A power of two near sqrt(L): 2 ** round(log2(L) / 2), rounding halves up (L=2048 -> 64)."""
+    return 2 ** int(math.floor(math.log2(length) / 2 + 0.5))
+
+
+@dataclass
+class AttentionSpec:
+    """How one attention is built at one length: resolved constructor keywords plus bookkeeping."""
+
+    name: str
+    length: int
+    causal: bool
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    block_size: int | None = None
+    n_clusters: int | None = None
+    note: str = ""
+    skip_reason: str = ""
+
+
+def task_geometry(length: int, causal: bool, block_size: int | None = None) -> dict[str, Any]:
+    """The synthetic ``task.*`` keys the attention YAMLs interpolate."""
+    block = block_size or synthetic_block_size(length)
+    return {"causal": causal, "seq_len": length, "block_size": block, "n_clusters": max(1, length // block)}
+
+
+def load_attention_yaml(name: str, task: dict[str, Any], conf_dir: Path = CONF_DIR) -> dict[str, Any]:
+    """Resolve ``conf/attention/<name>.yaml`` against ``task`` -> plain dict (``name`` and its knobs).
+
+    Defaults-list entries such as ``- /partition: axial`` are honoured by loading that group's file at
+    its package, the way Hydra composes the training config.
+    """
+    path = conf_dir / "attention" / f"{name}.yaml"
+    attention = OmegaConf.load(path)
+    root = OmegaConf.create({"task": task})
+    for entry in attention.pop("defaults", []) or []:
+        if not OmegaConf.is_dict(entry):
+            continue  # ``_self_``
+        for key, option in entry.items():
+            group, _, package = str(key).lstrip("/").partition("@")
+            if option is None or group.startswith("override"):
+                continue
+            root[package or group.replace("/", ".")] = OmegaConf.load(conf_dir / group / f"{option}.yaml")
+    root.attention = attention
+    return OmegaConf.to_container(root.attention, resolve=True)  # type: ignore[return-value]
+
+
+def build_spec(
+    name: str,
+    length: int,
+    *,
+    causal: bool,
+    n_heads: int,
+    head_dim: int,
+    block_size: int | None = None,
+    unsupported_causal: str = "fallback",
+    conf_dir: Path = CONF_DIR,
+) -> AttentionSpec:
+    """Resolve the constructor keywords for ``name`` at length ``length``.
+
+    A variant that cannot run in the requested direction (e.g. a bidirectional-only kernel method on a
+    causal sweep) is run the other way with a note (``unsupported_causal=fallback``) or skipped
+    (``skip``). Problems in the YAML are reported in ``skip_reason`` rather than raised, so one broken
+    variant does not stop the sweep.
+    """
+    import longseq.attention  # noqa: F401
+
+    spec = AttentionSpec(name=name, length=length, causal=causal)
+    factory = ATTENTION_REGISTRY.get(name)
+    if factory is None:
+        spec.skip_reason = f"not registered (valid: {', '.join(registered_names())})"
+        return spec
+    cls = factory.cls  # type: ignore[attr-defined]
+    if causal and not cls.supports_causal or not causal and not cls.supports_bidirectional:
+        direction = "bidirectional" if causal else "causal"
+        if unsupported_causal == "skip":
+            spec.skip_reason = f"supports {direction} only"
+            return spec
+        spec.causal = not causal
+        spec.note = f"{direction} only: run with causal={str(spec.causal).lower()}"
+    task = task_geometry(length, spec.causal, block_size)
+    try:
+        resolved = load_attention_yaml(name, task, conf_dir)
+    except FileNotFoundError:
+        resolved = {"name": name, "causal": spec.causal}
+        spec.note = "; ".join(filter(None, [spec.note, f"no conf/attention/{name}.yaml: registry defaults"]))
+    except Exception as error:  # an interpolation the synthetic task cannot satisfy
+        spec.skip_reason = f"conf/attention/{name}.yaml: {type(error).__name__}: {error}".splitlines()[0]
+        return spec
+    resolved.pop("name", None)
+    resolved["causal"] = spec.causal
+    spec.kwargs = {**resolved, "seq_len": length, "n_heads": n_heads, "head_dim": head_dim, "dropout": 0.0}
+    if "block_size" in resolved:
+        spec.block_size = resolved["block_size"]
+    if "n_clusters" in resolved:
+        spec.n_clusters = resolved["n_clusters"]
+    return spec
