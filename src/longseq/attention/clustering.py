@@ -106,9 +106,9 @@ class OnlineKMeans(nn.Module):
     def _initial_centroids(self, n_heads: int, head_dim: int, like: torch.Tensor | None = None) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed)
         c = F.normalize(torch.randn(n_heads, self.n_clusters, head_dim, generator=g, dtype=torch.float64), dim=-1)
-        if like is not None:
-            c = c.to(device=like.device, dtype=like.dtype)
-        return c.to(torch.get_default_dtype()) if like is None else c
+        if like is None:
+            return c.to(torch.get_default_dtype())
+        return c.to(device=like.device, dtype=like.dtype)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001
         stored = state_dict.get(prefix + "centroids")

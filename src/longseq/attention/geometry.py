@@ -91,3 +91,25 @@ def logsparse_keys(length: int, device: torch.device | None = None) -> tuple[tor
     valid = ((p >> lvl) & 1).bool()
     idx = torch.where(valid, ((p >> lvl) << lvl) - 1, torch.zeros_like(p))
     return torch.cat([p, idx], 1), torch.cat([torch.ones_like(p, dtype=torch.bool), valid], 1)
+
+
+def cluster_order(clusters: torch.Tensor, n_clusters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group positions by cluster id, keeping position order inside each cluster.
+
+    Args:
+        clusters: ``(..., L)`` long ids in ``[0, n_clusters)``.
+
+    Returns ``(order, rank)``, both ``(..., L)`` long: ``order`` lists the positions of cluster 0 in
+    increasing position, then cluster 1, ... (so with balanced clusters ``order.view(..., K, L // K)``
+    are the cluster blocks); ``rank[p]`` is the index of ``p`` among the members of its own cluster,
+    i.e. how many earlier positions share its cluster (depends only on ids at positions <= p).
+    """
+    order = torch.sort(clusters, dim=-1, stable=True).indices
+    sizes = torch.zeros(*clusters.shape[:-1], n_clusters, dtype=torch.long, device=clusters.device)
+    sizes.scatter_add_(-1, clusters, torch.ones_like(clusters))
+    first = sizes.cumsum(-1) - sizes  # (..., K) index in ``order`` where each cluster starts
+    index_in_order = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(clusters.shape[-1], device=clusters.device).expand_as(order)
+    )
+    rank = index_in_order - first.gather(-1, clusters)
+    return order, rank

@@ -84,6 +84,8 @@ class SparseAttention(Attention):
     def sdpa(self, q, k, v, mask=None) -> torch.Tensor:
         """SDPA on already-scaled ``q`` with this module's dropout; ``mask`` bool (True = may attend)."""
         p = self.dropout if self.training else 0.0
+        if mask is not None and mask.dim() < 4:  # a 3-D mask sends CPU SDPA to the slow math path
+            mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0)
 
 

@@ -8,6 +8,7 @@ import math
 import os
 import platform
 import subprocess
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +35,11 @@ def cpu_name() -> str:
 
 def environment(device: str, threads: int | None, memory_method: str) -> dict[str, Any]:
     """What the numbers depend on: versions, threads, CPU/GPU names, memory method."""
-    import lightning
-
     if threads:
         torch.set_num_threads(threads)
     env: dict[str, Any] = {
         "torch": torch.__version__,
-        "lightning": lightning.__version__,
+        "lightning": _version("lightning"),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu": cpu_name(),
@@ -57,6 +56,14 @@ def environment(device: str, threads: int | None, memory_method: str) -> dict[st
         "git_commit": git_commit(),
     }
     return env
+
+
+def _version(package: str) -> str | None:
+    """Installed version without importing the package (importing lightning takes seconds)."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def git_commit() -> str | None:

@@ -93,7 +93,8 @@ def run_benchmark(cfg: DictConfig, console: Console | None = None) -> Path:
                 if spec.skip_reason:
                     result = cells.CellResult("skipped", note=spec.skip_reason)
                 elif mode in stopped:
-                    result = cells.CellResult(*stopped[mode])
+                    status, note = stopped[mode]
+                    result = cells.CellResult(status, note=note)
                 else:
                     cell_spec = cells.CellSpec(
                         attention=name, length=length, mode=mode, kwargs=spec.kwargs, batch=cfg.batch,

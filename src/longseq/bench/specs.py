@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from longseq.attention.registry import ATTENTION_REGISTRY, PARTITION_FAMILIES
+from longseq.attention.registry import ATTENTION_REGISTRY, PARTITION_FAMILIES, accepted_kwargs
 
 CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 
@@ -167,8 +167,10 @@ def build_spec(
     try:
         resolved = load_attention_yaml(name, task, conf_dir)
     except FileNotFoundError:
-        resolved = {"name": name, "causal": spec.causal}
-        spec.note = "; ".join(filter(None, [spec.note, f"no conf/attention/{name}.yaml: registry defaults"]))
+        # No YAML yet: give the geometry knobs the variant accepts the values its YAML would interpolate.
+        accepted = accepted_kwargs(cls)
+        resolved = {"name": name, **{k: task[k] for k in ("block_size", "n_clusters") if k in accepted}}
+        spec.note = "; ".join(filter(None, [spec.note, f"no conf/attention/{name}.yaml: task geometry"]))
     except Exception as error:  # an interpolation the synthetic task cannot satisfy
         spec.skip_reason = f"conf/attention/{name}.yaml: {type(error).__name__}: {error}".splitlines()[0]
         return spec

@@ -1,0 +1,189 @@
+"""Combiner-Logsparse (Ren et al. 2021, §4.2 and appendix B): the past as O(log L) aligned power-of-two blocks.
+
+Causal (official JAX ``_SelfAttLogn`` semantics, without its L = 2^k + 1 bug): a query at p attends
+itself directly, the previous token p - 1 raw when p is odd ("level 0"), and for every level
+l = 1 .. Λ-1 with bit l of p set one summary of the aligned block [start, start + 2^l),
+start = (p >> (l + 1)) << (l + 1) (the chunk of index (p >> l) - 1 at size 2^l). These blocks tile
+[0, p) exactly (a Fenwick decomposition); Λ = bit length of (L - 1), so any L works.
+
+Bidirectional (this project's clean partition): the past is tiled as above and the future (p, L)
+by the mirror image of the same construction, i.e. the causal tiling of the reversed sequence: the
+raw next token p + 1 when L - 1 - p is odd, and blocks aligned from the END of the sequence. Self is
+attended once; every position is covered exactly once. (For L a power of two the mirrored blocks
+are the ordinary aligned blocks.)
+
+One softmax over the 1 + Λ (causal) or 1 + 2Λ (bidirectional) candidate logits per query. Summaries:
+k_bar = pooled keys of the block, v_bar = sum_j softmax_j(q_bar . k_j) v_j with q_bar the pooled scaled
+queries. Cost O(L D log L) time and O(L log L + L D) memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longseq.attention.base import Attention
+from longseq.attention.geometry import fenwick_blocks, num_log_levels
+from longseq.attention.registry import register_attention
+from longseq.attention.summary import RegionSummary, effective_attention_matrix
+
+
+@register_attention("combiner_logsparse")
+class CombinerLogsparseAttention(Attention):
+    """Combiner-Logsparse, causal or bidirectional, any sequence length.
+
+    Args:
+        causal: past only (official semantics) or the mirrored past+future partition.
+        summary: region pooling, ``max`` (default, official), ``mean``, ``deepsets_max``,
+            ``deepsets_mean`` (the DeepSets kinds learn two D x D maps and need ``head_dim``).
+        seq_len, n_heads, head_dim, dropout: see ``Attention``. Dropout acts on the inner summary
+            weights p(j|R) only, as in the official JAX layer.
+    """
+
+    def __init__(
+        self,
+        *,
+        causal: bool,
+        summary: str = "max",
+        seq_len: int | None = None,
+        n_heads: int | None = None,
+        head_dim: int | None = None,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__(causal=causal, seq_len=seq_len, n_heads=n_heads, head_dim=head_dim, dropout=dropout)
+        self.summary = RegionSummary(summary, head_dim)
+        self.has_parameters = self.summary.has_parameters
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, summary={self.summary.kind}"
+
+    # -- geometry -------------------------------------------------------------------------------
+    def partition(self, length: int, device: torch.device | None = None):
+        """The partition as dense sets (for tests and ``attention_matrix``).
+
+        Returns ``direct`` (L, L) bool (self, plus the raw previous/next token), ``regions`` (R, L) bool
+        (the distinct blocks some query summarizes) and ``region_allowed`` (L, R) bool.
+        """
+        direct, blocks, allowed = _past_partition(length, device)
+        if not self.causal:
+            # the future of p is the past of L - 1 - p in the reversed sequence
+            future_direct, future_blocks, future_allowed = _past_partition(length, device)
+            direct = direct | future_direct.flip(0, 1)
+            blocks = torch.cat([blocks, future_blocks.flip(1)])
+            allowed = torch.cat([allowed, future_allowed.flip(0)], 1)
+        # a block may be both a past and a mirrored future block (e.g. L a power of two): one region
+        regions, which = torch.unique(blocks, dim=0, return_inverse=True)
+        region_allowed = torch.zeros(length, regions.shape[0], dtype=torch.float64, device=device)
+        region_allowed = region_allowed.index_add_(1, which, allowed.to(torch.float64)) > 0
+        return direct, regions, region_allowed
+
+    # -- the contract -----------------------------------------------------------------------------
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """(B, H, L, D) unscaled q, k, v -> (B, H, L, D) (v may have its own last width)."""
+        L = q.shape[-2]
+        qs = self.scale(q)
+        self_logit = (qs * k).sum(-1, keepdim=True)  # (B, H, L, 1)
+        past = _PastLevels(self, qs, k, v)
+        logits = [self_logit, past.logits()]
+        allowed = [torch.ones(L, 1, dtype=torch.bool, device=q.device), past.allowed]
+        if not self.causal:
+            future = _PastLevels(self, qs.flip(-2), k.flip(-2), v.flip(-2))
+            logits.append(future.logits().flip(-2))
+            allowed.append(future.allowed.flip(0))
+        weights = torch.cat(logits, -1).masked_fill(~torch.cat(allowed, -1), float("-inf")).softmax(-1)
+        n_levels = past.allowed.shape[-1]
+        out = weights[..., :1] * v + past.output(weights[..., 1 : 1 + n_levels])
+        if not self.causal:
+            out = out + future.output(weights[..., 1 + n_levels :].flip(-2)).flip(-2)
+        return out
+
+    def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """(B, H, L, L) effective weights, built densely from ``partition`` (independent of ``forward``)."""
+        direct, regions, region_allowed = self.partition(q.shape[-2], q.device)
+        return effective_attention_matrix(q, k, self.summary, direct, regions, region_allowed)
+
+
+def _past_partition(length: int, device: torch.device | None):
+    """Causal logsparse sets: direct (L, L), blocks (R, L) of every level >= 1 chunk, allowed (L, R)."""
+    pos = torch.arange(length, device=device)
+    direct = torch.eye(length, dtype=torch.bool, device=device)
+    direct[1:, :-1] |= torch.eye(length - 1, dtype=torch.bool, device=device) & (pos[1:] % 2 == 1).unsqueeze(1)
+    start, valid = fenwick_blocks(length, device)  # (L, levels)
+    blocks, allowed = [], []
+    for level in range(1, start.shape[1]):
+        size = 1 << level
+        chunk_start = torch.arange(length >> level, device=device) * size  # full chunks only
+        member = (pos.unsqueeze(0) >= chunk_start.unsqueeze(1)) & (pos.unsqueeze(0) < chunk_start.unsqueeze(1) + size)
+        blocks.append(member)
+        allowed.append(valid[:, level : level + 1] & (start[:, level : level + 1] == chunk_start.unsqueeze(0)))
+    if not blocks:
+        return direct, torch.zeros(0, length, dtype=torch.bool, device=device), torch.zeros(length, 0, dtype=torch.bool, device=device)
+    blocks, allowed = torch.cat(blocks), torch.cat(allowed, 1)
+    used = allowed.any(0)
+    return direct, blocks[used], allowed[:, used]
+
+
+class _PastLevels:
+    """The causal candidates of one direction: raw previous token + one block summary per level >= 1.
+
+    Works on chunk views (no gathers): at level l the sequence is cut into n_full = L >> l aligned
+    chunks of size 2^l, and every query of chunk j reads the summary of chunk j - 1 (used when j is
+    odd, i.e. bit l of p is set). Queries past the last full chunk (a partial chunk j = n_full) read
+    chunk n_full - 1.
+    """
+
+    def __init__(self, attn: CombinerLogsparseAttention, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.qs, self.k, self.v = qs, k, v
+        L = qs.shape[-2]
+        self.length = L
+        self.n_levels = num_log_levels(L)
+        _, valid = fenwick_blocks(L, qs.device)  # (L, levels); level 0 = p odd
+        if self.n_levels == 0:  # L = 1: keep one always-masked "previous token" slot
+            valid = torch.zeros(L, 1, dtype=torch.bool, device=qs.device)
+        self.allowed = valid  # (L, max(levels, 1))
+        summary = attn.summary
+        q_feat, k_feat = summary.query_features(qs), summary.key_features(k)
+        self.k_bar, self.v_bar = [], []  # per level >= 1: (B, H, n_full, D), (B, H, n_full, Dv)
+        q_pool, k_pool = q_feat, k_feat  # pooled over the chunks of the previous level
+        for level in range(1, self.n_levels):
+            n_full = L >> level
+            # a level-l chunk is two level-(l-1) chunks: pool hierarchically (exact for max and mean)
+            q_pool = summary.reduce_over(q_pool[..., : 2 * n_full, :].unflatten(-2, (n_full, 2)), -2)
+            k_pool = summary.reduce_over(k_pool[..., : 2 * n_full, :].unflatten(-2, (n_full, 2)), -2)
+            k_chunks = self._chunks(k, level)  # (B, H, n_full, 2^l, D)
+            inner = (k_chunks @ q_pool.unsqueeze(-1)).squeeze(-1).softmax(-1)  # (B, H, n_full, 2^l)
+            inner = attn.weight_dropout(inner)
+            self.k_bar.append(k_pool)
+            self.v_bar.append((inner.unsqueeze(-2) @ self._chunks(v, level)).squeeze(-2))
+
+    def _chunks(self, x: torch.Tensor, level: int) -> torch.Tensor:
+        """View of the full aligned chunks of size 2^level: (B, H, n_full, 2^level, ...)."""
+        n_full = self.length >> level
+        return x[..., : n_full << level, :].unflatten(-2, (n_full, 1 << level))
+
+    def logits(self) -> torch.Tensor:
+        """(B, H, L, levels) logits [previous token, level 1, ...]; masked slots hold finite junk."""
+        qs, k = self.qs, self.k
+        previous = torch.cat([torch.zeros_like(qs[..., :1, 0]), (qs[..., 1:, :] * k[..., :-1, :]).sum(-1)], -1)
+        columns = [previous]
+        for level, k_bar in enumerate(self.k_bar, start=1):
+            n_full = self.length >> level
+            # chunk j reads chunk j - 1; chunk 0 reads a zero key (always masked)
+            k_prev = torch.cat([torch.zeros_like(k_bar[..., :1, :]), k_bar[..., :-1, :]], -2)
+            main = (self._chunks(qs, level) @ k_prev.unsqueeze(-1)).flatten(-3)  # (B, H, n_full * 2^l)
+            tail = (qs[..., n_full << level :, :] @ k_bar[..., -1:, :].transpose(-1, -2)).squeeze(-1)
+            columns.append(torch.cat([main, tail], -1))
+        return torch.stack(columns, -1)
+
+    def output(self, weights: torch.Tensor) -> torch.Tensor:
+        """Weights (B, H, L, levels) of [previous token, level 1, ...] -> their output part (B, H, L, Dv)."""
+        v = self.v
+        previous = torch.cat([torch.zeros_like(v[..., :1, :]), v[..., :-1, :]], -2)
+        out = weights[..., 0:1] * previous
+        for level, v_bar in enumerate(self.v_bar, start=1):
+            n_full = self.length >> level
+            w = weights[..., level]
+            v_prev = torch.cat([torch.zeros_like(v_bar[..., :1, :]), v_bar[..., :-1, :]], -2)
+            main = (w[..., : n_full << level].unflatten(-1, (n_full, 1 << level)).unsqueeze(-1) * v_prev.unsqueeze(-2)).flatten(-3, -2)
+            tail = w[..., n_full << level :].unsqueeze(-1) * v_bar[..., -1:, :]
+            out = out + torch.cat([main, tail], -2)
+        return out

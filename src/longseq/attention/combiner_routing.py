@@ -1,0 +1,291 @@
+"""Combiner-Learnable (Ren et al. 2021, §4.4 and appendix D): a k-means partition, Combiner style.
+
+Positions are routed by online k-means (``clustering.OnlineKMeans``, Routing Transformer style: one set
+of K unit-norm centroids per head, routing vector = the position's key, normalized; centroids follow an
+EMA of their members in training). A query attends directly to its own cluster and sees every other
+cluster through one summary (pooled key, pooled query, local expectation of the values), all in ONE
+softmax over [direct logits ; summary logits] with a single 1/sqrt(D).
+
+Bidirectional (clean partition). Clusters are balanced: K clusters of S = L / K positions.
+- direct = every member of the query's own cluster (self included);
+- regions = every other cluster, whole. None is empty.
+
+Causal. A balanced assignment over the whole sequence would let later tokens decide the cluster of
+earlier ones (information from the future), so the causal partition is built from two causal-safe
+pieces on segments of length M (``segment_len``: the smallest multiple of ``block_size`` that
+``n_clusters`` divides, so ``M = block_size`` when K divides it):
+- key clusters: each segment is split by the balanced assignment into K clusters of M / K members, so
+  a key's cluster depends only on its own segment and every cluster has exactly g * M / K members in
+  the first g segments;
+- query route rho(i): the nearest centroid of position i's own routing vector. The first S positions
+  (in position order) routed to a centroid get a slot in it ("routed"); later ones overflow. Both
+  depend only on positions <= i.
+For query i in segment g:
+- direct = own segment up to and including i  ∪  (if routed) key cluster rho(i) ∩ segments < g;
+- regions = for every key cluster c (except rho(i) when routed): R(c, g) = c ∩ segments < g.
+Every j <= i is covered exactly once (own segment directly; an earlier j directly when it is in the
+query's cluster, else through the summary of its cluster), nothing later is covered, and all regions
+are non-empty for g >= 1 (segment 0 has no regions: they are masked). R(c, g) is the first g * M / K
+members of cluster c (members sorted by position), so its summary comes from running pools
+(``RegionSummary.prefix_*``) and one masked inner softmax per (cluster, segment).
+
+Cost per query: M + S direct logits + K summary logits; memory O(L (M + L/K + K)) plus O(L D) for the
+gathered cluster blocks, never L x L (``attention_matrix`` excepted). The clustering is not
+differentiable (ids only); gradients flow through q, k, v of every used logit, pool and value.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from longseq.attention.base import Attention, AttentionConfigError, divisors
+from longseq.attention.clustering import OnlineKMeans
+from longseq.attention.geometry import cluster_order
+from longseq.attention.registry import register_attention
+from longseq.attention.summary import RegionSummary
+
+
+@register_attention("combiner_routing")
+class CombinerRoutingAttention(Attention):
+    """Combiner-Learnable: own k-means cluster direct, one summary per other cluster (see module doc).
+
+    Args:
+        causal: causal partition (segments + causal-safe routing) or the bidirectional clean partition.
+        n_clusters: K; must divide L (bidirectional) or the causal segment length.
+        block_size: causal segment granularity (the segment length is the smallest multiple of it
+            that K divides). ``None``: the length-dependent default, the multiple of K dividing L
+            closest to sqrt(L). Unused when bidirectional.
+        summary: region pooling: ``max`` (default), ``mean``, ``deepsets_max``, ``deepsets_mean``.
+        ema_decay: k-means centroid EMA decay (training only).
+        seed: seeds the centroid initialization.
+        seq_len, n_heads, head_dim, dropout: see ``Attention``; dropout acts on the joint weights.
+    """
+
+    def __init__(
+        self,
+        *,
+        causal: bool,
+        n_clusters: int,
+        block_size: int | None = None,
+        summary: str = "max",
+        ema_decay: float = 0.999,
+        seed: int = 0,
+        seq_len: int | None = None,
+        n_heads: int | None = None,
+        head_dim: int | None = None,
+        dropout: float = 0.0,
+    ) -> None:
+        if not isinstance(n_clusters, int) or n_clusters < 1:
+            raise AttentionConfigError(f"attention.n_clusters must be a positive integer, got {n_clusters!r}")
+        if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
+            raise AttentionConfigError(f"attention.block_size must be a positive integer or null, got {block_size!r}")
+        self.n_clusters = n_clusters
+        self.block_size = block_size
+        self.causal = bool(causal)  # read by requires_len_multiple_of during the base constructor
+        super().__init__(causal=causal, seq_len=seq_len, n_heads=n_heads, head_dim=head_dim, dropout=dropout)
+        if seq_len is not None:
+            self.segment_len(seq_len)  # fail at construction, naming the keys
+        self.summary = RegionSummary(summary, head_dim)
+        self.has_parameters = self.summary.has_parameters
+        self.kmeans = OnlineKMeans(n_clusters, n_heads=n_heads, head_dim=head_dim, ema_decay=ema_decay, seed=seed)
+
+    # -- geometry ---------------------------------------------------------------------------------
+    def requires_len_multiple_of(self) -> int:
+        if self.causal and self.block_size is not None:
+            return math.lcm(self.block_size, self.n_clusters)
+        return self.n_clusters
+
+    def geometry_key(self) -> str:
+        return "attention.block_size / attention.n_clusters" if self.causal else "attention.n_clusters"
+
+    def segment_len(self, length: int) -> int:
+        """Causal segment length M for sequence length L (see the module docstring)."""
+        K = self.n_clusters
+        if length % K:
+            raise AttentionConfigError(
+                f"attention.n_clusters={K} must divide the sequence length {length}; valid: {divisors(length)}"
+            )
+        if self.block_size is not None:
+            seg = math.lcm(self.block_size, K)
+            if length % seg:
+                raise AttentionConfigError(
+                    f"attention.block_size={self.block_size} with attention.n_clusters={K} needs causal segments "
+                    f"of lcm={seg}, which does not tile length {length}; pick block_size and n_clusters "
+                    f"whose lcm divides {length}"
+                )
+            return seg
+        candidates = [d for d in divisors(length) if d % K == 0]
+        return min(candidates, key=lambda d: (abs(d - math.sqrt(length)), d))
+
+    # -- clustering -------------------------------------------------------------------------------
+    def assign(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Cluster ids from the keys ``(B, H, L, D)``: ``(key_clusters, query_routes)``, each ``(B, H, L)``.
+
+        Bidirectional: one balanced partition, ``query_routes`` is None (a query's cluster is its own).
+        Causal: key clusters balanced per segment, query routes = nearest centroid.
+        """
+        if not self.causal:
+            return self.kmeans.balanced(k), None
+        return self.kmeans.balanced(k, group=self.segment_len(k.shape[-2])), self.kmeans.nearest(k)
+
+    def partition(
+        self, key_clusters: torch.Tensor, query_routes: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense partition for explicit cluster ids (reference path, small L).
+
+        Args:
+            key_clusters: ``(..., L)`` ids of every position as a key (balanced; per segment when causal).
+            query_routes: ``(..., L)`` nearest-centroid ids of every query (causal only).
+
+        Returns ``(direct, regions)``: ``direct`` ``(..., L, L)`` bool (query i attends key j directly) and
+        ``regions`` ``(..., L, K, L)`` bool (members of the region that query i sees as cluster c's summary;
+        all False where that summary is not used).
+        """
+        L, K = key_clusters.shape[-1], self.n_clusters
+        device = key_clusters.device
+        clusters = torch.arange(K, device=device)
+        in_cluster = key_clusters.unsqueeze(-2) == clusters.unsqueeze(-1)  # (..., K, L): j in cluster c
+        if not self.causal:
+            own = key_clusters.unsqueeze(-1)  # (..., L, 1)
+            direct = own == key_clusters.unsqueeze(-2)
+            regions = in_cluster.unsqueeze(-3) & (clusters != own).unsqueeze(-1)  # (..., L, K, L)
+            return direct, regions
+        if query_routes is None:
+            raise ValueError("causal partition needs query_routes")
+        segment = torch.arange(L, device=device) // self.segment_len(L)
+        past = torch.ones(L, L, dtype=torch.bool, device=device).tril()
+        same_segment = segment.unsqueeze(1) == segment.unsqueeze(0)
+        earlier_segment = segment.unsqueeze(0) < segment.unsqueeze(1)  # (L, L): seg(j) < seg(i)
+        routed = cluster_order(query_routes, K)[1] < L // K  # (..., L)
+        own_route = torch.where(routed, query_routes, K).unsqueeze(-1)  # K = "no cluster"
+        direct = past & (same_segment | (earlier_segment & (key_clusters.unsqueeze(-2) == own_route)))
+        regions = (
+            earlier_segment.unsqueeze(-2)  # (L, 1, L)
+            & in_cluster.unsqueeze(-3)  # (..., 1, K, L)
+            & (clusters != own_route).unsqueeze(-1)  # (..., L, K, 1)
+        )
+        return direct, regions
+
+    # -- forward ----------------------------------------------------------------------------------
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """(B, H, L, D) unscaled q, k, v -> (B, H, L, D); updates the centroids in training."""
+        key_clusters, query_routes = self.assign(k)
+        out = self._causal(q, k, v, key_clusters, query_routes) if self.causal else self._bidirectional(q, k, v, key_clusters)
+        self.kmeans.update(k, key_clusters)
+        return out
+
+    def _blocks(self, order: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
+        """Gather ``(B, H, L, D)`` tensors into cluster blocks ``(B, H, K, S, D)`` along ``order``."""
+        B, H, L, D = xs[0].shape
+        index = order.unsqueeze(-1).expand(B, H, L, D)
+        return [x.gather(2, index).view(B, H, self.n_clusters, L // self.n_clusters, D) for x in xs]
+
+    def _bidirectional(self, q, k, v, clusters):
+        B, H, L, D = q.shape
+        K, S = self.n_clusters, L // self.n_clusters
+        order, _ = cluster_order(clusters, K)
+        q_blk, k_blk, v_blk = self._blocks(order, self.scale(q), k, v)  # (B, H, K, S, D)
+        p = self.dropout if self.training else 0.0
+        if K == 1:
+            keys, values, mask = k_blk, v_blk, None
+        else:
+            q_bar = self.summary.pool_queries(q_blk, 3).unsqueeze(3)  # (B, H, K, 1, D)
+            k_bar = self.summary.pool_keys(k_blk, 3)  # (B, H, K, D)
+            inner = (q_bar @ k_blk.transpose(-1, -2)).softmax(-1)  # (B, H, K, 1, S): whole clusters, unmasked
+            v_bar = (inner @ v_blk).squeeze(3)  # (B, H, K, D)
+            # every cluster block sees [its own S keys ; the K summaries], its own summary masked
+            keys = torch.cat([k_blk, k_bar.unsqueeze(2).expand(B, H, K, K, D)], 3)
+            values = torch.cat([v_blk, v_bar.unsqueeze(2).expand(B, H, K, K, D)], 3)
+            other = ~torch.eye(K, dtype=torch.bool, device=q.device).unsqueeze(1).expand(K, S, K)
+            mask = torch.cat([torch.ones(K, S, S, dtype=torch.bool, device=q.device), other], -1).unsqueeze(0)
+        fold = lambda x: x.reshape(B * H, K, x.shape[3], D)  # noqa: E731  blocks in the SDPA "heads" slot
+        out = F.scaled_dot_product_attention(fold(q_blk), fold(keys), fold(values), attn_mask=mask, dropout_p=p, scale=1.0)
+        inverse = torch.empty_like(order).scatter_(2, order, torch.arange(L, device=q.device).expand_as(order))
+        return out.view(B, H, L, D).gather(2, inverse.unsqueeze(-1).expand(B, H, L, D))
+
+    def _causal(self, q, k, v, key_clusters, query_routes):
+        B, H, L, D = q.shape
+        K, S = self.n_clusters, L // self.n_clusters
+        M = self.segment_len(L)
+        n, per_segment = L // M, M // K
+        device, neg_inf = q.device, float("-inf")
+        qs = self.scale(q)
+
+        # cluster blocks: members of each key cluster in position order; member t lies in segment t // (M/K)
+        order, _ = cluster_order(key_clusters, K)
+        q_blk, k_blk, v_blk = self._blocks(order, qs, k, v)  # (B, H, K, S, D)
+        member_segment = torch.arange(S, device=device) // per_segment  # (S,)
+
+        # query slots: the first S queries routed to centroid c take slots c*S + rank; the rest overflow
+        _, rank = cluster_order(query_routes, K)
+        routed = rank < S
+        slot = torch.where(routed, query_routes * S + rank, K * S)  # (B, H, L); K*S = overflow bin
+        positions = torch.arange(L, device=device).expand(B, H, L)
+        slot_query = torch.zeros(B, H, K * S + 1, dtype=torch.long, device=device).scatter_(2, slot, positions)[..., :-1]
+        slot_used = torch.zeros(B, H, K * S + 1, dtype=torch.bool, device=device).scatter_(2, slot, True)[..., :-1]
+        slot_query, slot_used = slot_query.view(B, H, K, S), slot_used.view(B, H, K, S)
+
+        # direct, own cluster in earlier segments: slot queries x their cluster's block
+        q_slot = qs.gather(2, slot_query.view(B, H, K * S, 1).expand(B, H, K * S, D)).view(B, H, K, S, D)
+        cluster_allowed = (member_segment < (slot_query // M).unsqueeze(-1)) & slot_used.unsqueeze(-1)
+        cluster_logits = (q_slot @ k_blk.transpose(-1, -2)).masked_fill(~cluster_allowed, neg_inf)  # (B, H, K, S, S)
+        # back to query order; overflow queries read an all -inf row
+        cluster_logits = torch.cat([cluster_logits.view(B, H, K * S, S), cluster_logits.new_full((B, H, 1, S), neg_inf)], 2)
+        cluster_logits = cluster_logits.gather(2, slot.unsqueeze(-1).expand(B, H, L, S))  # (B, H, L, S)
+
+        # direct, own segment up to self
+        q_seg, k_seg, v_seg = (x.view(B, H, n, M, D) for x in (qs, k, v))
+        causal = torch.ones(M, M, dtype=torch.bool, device=device).tril()
+        segment_logits = (q_seg @ k_seg.transpose(-1, -2)).masked_fill(~causal, neg_inf)  # (B, H, n, M, M)
+
+        # summaries of R(c, g) = first g*M/K members of cluster c, for every segment g
+        last = (torch.arange(n, device=device) * per_segment - 1).clamp(min=0)  # last member of R(c, g)
+        q_bar = self.summary.prefix_queries(q_blk, 3).index_select(3, last)  # (B, H, K, n, D)
+        k_bar = self.summary.prefix_keys(k_blk, 3).index_select(3, last)
+        inner_allowed = member_segment < torch.arange(n, device=device).unsqueeze(1)  # (n, S)
+        inner_allowed[0] = True  # R(c, 0) is empty: its logit is masked below; keep this softmax finite
+        inner = (q_bar @ k_blk.transpose(-1, -2)).masked_fill(~inner_allowed, neg_inf).softmax(-1)
+        v_bar = (inner @ v_blk).transpose(2, 3)  # (B, H, n, K, D)
+        summary_logits = q_seg @ k_bar.permute(0, 1, 3, 4, 2)  # (B, H, n, M, K)
+        own_route = torch.where(routed, query_routes, K).view(B, H, n, M, 1)
+        summary_allowed = (torch.arange(K, device=device) != own_route) & (
+            torch.arange(n, device=device) > 0
+        ).view(n, 1, 1)
+        summary_logits = summary_logits.masked_fill(~summary_allowed, neg_inf)
+
+        # one joint softmax per query over [own cluster | own segment | summaries]
+        logits = torch.cat([cluster_logits, segment_logits.view(B, H, L, M), summary_logits.view(B, H, L, K)], -1)
+        weights = self.weight_dropout(logits.softmax(-1))
+        w_cluster, w_segment, w_summary = weights.split([S, M, K], -1)
+
+        out = (w_segment.view(B, H, n, M, M) @ v_seg).view(B, H, L, D)
+        out = out + (w_summary.view(B, H, n, M, K) @ v_bar).view(B, H, L, D)
+        w_slot = w_cluster.gather(2, slot_query.view(B, H, K * S, 1).expand(B, H, K * S, S)).view(B, H, K, S, S)
+        out_slot = (w_slot.masked_fill(~slot_used.unsqueeze(-1), 0.0) @ v_blk).view(B, H, K * S, D)
+        out_slot = torch.cat([out_slot, out_slot.new_zeros(B, H, 1, D)], 2)
+        return out + out_slot.gather(2, slot.unsqueeze(-1).expand(B, H, L, D))
+
+    # -- reference --------------------------------------------------------------------------------
+    def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """(B, H, L, L) effective weights, written densely from ``partition`` (small L only)."""
+        B, H, L, D = q.shape
+        K = self.n_clusters
+        key_clusters, query_routes = self.assign(k)
+        direct, regions = self.partition(key_clusters, query_routes)  # (B, H, L, L), (B, H, L, K, L)
+        qs = self.scale(q)
+        direct_logits = (qs @ k.transpose(-1, -2)).masked_fill(~direct, float("-inf"))
+        members = regions.reshape(B, H, L * K, L)
+        q_bar = self.summary.pool_region_queries(qs, members)  # (B, H, L*K, D): per (query, cluster)
+        k_bar = self.summary.pool_region_keys(k, members).view(B, H, L, K, D)
+        inner = (q_bar @ k.transpose(-1, -2)).masked_fill(~members, float("-inf"))
+        inner = inner.softmax(-1).nan_to_num(0.0).view(B, H, L, K, L)  # unused empty regions -> 0
+        summary_logits = (qs.unsqueeze(3) * k_bar).sum(-1).masked_fill(~regions.any(-1), float("-inf"))
+        joint = torch.cat([direct_logits, summary_logits], -1).softmax(-1)
+        w_direct, w_summary = joint.split([L, K], -1)
+        return w_direct + torch.einsum("bhik,bhikj->bhij", w_summary, inner)
+
+    def extra_repr(self) -> str:
+        return f"name={self.name}, causal={self.causal}, n_clusters={self.n_clusters}, block_size={self.block_size}"

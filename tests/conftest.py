@@ -1,0 +1,67 @@
+"""Shared test fixtures: compose the real Hydra config with test-sized overrides."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, open_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+os.environ.setdefault("PROJECT_ROOT", str(ROOT))
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+sys.path.insert(0, str(Path(__file__).parent))  # attention_checks, fixtures
+
+from longseq.utils.config import register_resolvers  # noqa: E402
+
+register_resolvers()
+
+FAST = [
+    "trainer.max_steps=3",
+    "trainer.limit_val_batches=1",
+    "trainer.limit_test_batches=1",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "extras.print_config=false",
+    "model.n_layers=1",
+    "model.d_model=32",
+    "model.n_heads=2",
+]
+
+
+def compose_config(overrides: list[str] | None = None, output_dir: Path | None = None, config_name: str = "train",
+                   fast: bool = True) -> DictConfig:
+    """Compose ``conf/<config_name>.yaml`` as ``train.py`` would, with ``output_dir`` as the run dir.
+
+    ``fast`` prepends small-model / few-step overrides (the caller's overrides win).
+    """
+    GlobalHydra.instance().clear()
+    overrides = (FAST if fast and config_name == "train" else []) + list(overrides or [])
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+        cfg = compose(config_name=config_name, return_hydra_config=True, overrides=overrides)
+    if output_dir is not None:
+        with open_dict(cfg):
+            cfg.hydra.runtime.output_dir = str(output_dir)
+            cfg.hydra.runtime.cwd = str(ROOT)
+            cfg.hydra.job.num = 0
+            cfg.paths.log_dir = str(output_dir / "logs")
+    HydraConfig.instance().set_config(cfg)
+    return cfg
+
+
+@pytest.fixture
+def make_cfg(tmp_path):
+    """``make_cfg(overrides)`` -> a composed train config writing into ``tmp_path``."""
+
+    def make(overrides=None, **kw):
+        return compose_config(overrides, output_dir=tmp_path, **kw)
+
+    yield make
+    GlobalHydra.instance().clear()

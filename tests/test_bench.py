@@ -1,0 +1,142 @@
+"""The op-level benchmark: CLI end to end on tiny lengths, output schema, statuses, config handling.
+
+Timings themselves are not asserted (the machine is shared); the tests check that every registered
+attention is measured, that the files are written with the documented schema, and that failures become
+statuses instead of crashes.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from longseq.bench.__main__ import apply_preset
+from longseq.bench.cell import CellSpec, measure_cell, run_isolated
+from longseq.bench.specs import (CONF_DIR, GENERIC_NAMES, build_spec, quick_names, registered_names,
+                                 select_attentions, synthetic_block_size)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+REQUIRED_COLUMNS = ["attention", "length", "mode", "ms", "peak_mem_mb", "ratio_to_full"]
+
+
+def read_rows(path: Path) -> list[dict[str, str]]:
+    with path.open() as handle:
+        return list(csv.DictReader(handle))
+
+
+def only_run_dir(out_dir: Path) -> Path:
+    runs = [p for p in out_dir.iterdir() if p.is_dir()]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def test_cli_quick_preset_covers_every_registered_attention(tmp_path: Path) -> None:
+    # isolate=false keeps this fast with many variants registered; the isolated path is tested below.
+    command = [sys.executable, "-m", "longseq.bench", "preset=quick", "attentions=all", "lengths=[64,128]",
+               "warmup=1", "repeats=1", "threads=1", "isolate=false", "device=cpu", f"out_dir={tmp_path}"]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = only_run_dir(tmp_path)
+
+    rows = read_rows(run_dir / "results.csv")
+    assert list(rows[0])[:6] == REQUIRED_COLUMNS
+    expected = set(registered_names())
+    assert expected and not expected & GENERIC_NAMES
+    assert {r["attention"] for r in rows} == expected
+    # every attention x length x mode cell is present exactly once
+    cells = [(r["attention"], int(r["length"]), r["mode"]) for r in rows]
+    assert len(cells) == len(set(cells)) == len(expected) * 2 * 2
+    assert {r["status"] for r in rows} <= {"ok", "over_budget", "oom", "error", "skipped"}
+    for row in rows:
+        if row["status"] == "ok":
+            assert float(row["ms"]) > 0 and float(row["peak_mem_mb"]) >= 0
+    full = [r for r in rows if r["attention"] == "full"]
+    assert all(r["status"] == "ok" and math.isclose(float(r["ratio_to_full"]), 1.0) for r in full)
+    for row in rows:
+        if row["status"] == "ok":
+            assert float(row["ratio_to_full"]) > 0
+
+    assert (run_dir / "plot.png").stat().st_size > 10_000
+    env = json.loads((run_dir / "env.json").read_text())
+    assert {"torch", "torch_threads", "cpu", "gpu", "peak_memory_method"} <= set(env)
+    assert env["torch_threads"] == 1
+    # the markdown table is printed to the console and saved
+    assert "| attention | causal | L=64 | L=128 |" in done.stdout
+    assert (run_dir / "results.md").read_text().count("| full |") == 2
+
+
+def test_isolated_cell_measures_time_and_peak_rss() -> None:
+    spec = build_spec("full", 512, causal=True, n_heads=2, head_dim=16)
+    cell = CellSpec(attention="full", length=512, mode="fwd_bwd", kwargs=spec.kwargs, batch=1, heads=2,
+                    head_dim=16, dtype="float32", device="cpu", warmup=1, repeats=2, budget_s=60, threads=1)
+    result = run_isolated(cell)
+    assert result.status == "ok", result.note
+    assert result.ms > 0 and result.ms_min <= result.ms <= result.ms_max
+    # q, k, v, grad_out of (1, 2, 512, 16) float32 = 4 x 64 KiB; their gradients alone add 192 KiB
+    assert math.isclose(result.input_mem_mb, 0.25)
+    assert 0.1 < result.peak_mem_mb < 100
+
+
+def test_first_warmup_over_budget_is_a_status_and_stops_longer_lengths(tmp_path: Path) -> None:
+    from longseq.bench.run import run_benchmark
+
+    cfg = OmegaConf.load(CONF_DIR / "bench.yaml")
+    cfg.merge_with({"attentions": ["full"], "lengths": [64, 128], "mode": ["fwd"], "budget_s": 1e-9,
+                    "isolate": False, "device": "cpu", "throughput": False, "plot": False,
+                    "out_dir": str(tmp_path)})
+    rows = read_rows(run_benchmark(cfg) / "results.csv")
+    assert [r["status"] for r in rows] == ["over_budget", "over_budget"]
+    assert "budget_s" in rows[0]["note"] and rows[1]["note"] == "not run: over_budget at L=64"
+    assert rows[0]["ms"] == "" and rows[0]["ratio_to_full"] == ""
+
+
+def test_build_errors_are_recorded_not_raised() -> None:
+    spec = CellSpec(attention="full", length=64, mode="fwd", kwargs={"causal": True, "no_such_knob": 1},
+                    batch=1, heads=1, head_dim=8, dtype="float32", device="cpu", warmup=1, repeats=1, budget_s=10)
+    result = measure_cell(spec)
+    assert result.status == "error" and "attention.no_such_knob" in result.note
+
+
+def test_specs_resolve_yaml_against_synthetic_task_geometry() -> None:
+    assert [synthetic_block_size(n) for n in (64, 256, 1024, 2048, 4096, 8192, 16384)] == [8, 16, 32, 64, 64, 128, 128]
+    full = build_spec("full", 1024, causal=True, n_heads=4, head_dim=32)
+    assert full.kwargs == {"causal": True, "seq_len": 1024, "n_heads": 4, "head_dim": 32, "dropout": 0.0}
+    for name in registered_names():
+        spec = build_spec(name, 256, causal=True, n_heads=2, head_dim=8)
+        assert not spec.skip_reason, (name, spec.skip_reason)
+        yaml_path = CONF_DIR / "attention" / f"{name}.yaml"
+        text = yaml_path.read_text() if yaml_path.exists() else ""
+        if "block_size: ${task.block_size}" in text:
+            assert spec.block_size == 16  # resolved for L=256
+        assert spec.kwargs["causal"] == spec.causal
+    assert build_spec("no_such_attention", 64, causal=True, n_heads=1, head_dim=8).skip_reason
+
+
+def test_attention_selection() -> None:
+    names = registered_names()
+    assert names[0] == "full" and not set(names) & GENERIC_NAMES
+    assert select_attentions(None) == select_attentions("all") == names
+    assert select_attentions(["fixed"])[0] == "full"  # ratios need full in the same run
+    quick = quick_names()
+    assert quick[0] == "full" and set(quick) <= set(names) and len(quick) <= 8
+
+
+@pytest.mark.parametrize(
+    "overrides, expected_lengths, expected_repeats",
+    [(["preset=quick"], [256, 1024], 5), (["preset=quick", "lengths=[64]"], [64], 5),
+     (["preset=quick", "repeats=9"], [256, 1024], 9)],
+)
+def test_preset_keeps_command_line_overrides(overrides: list[str], expected_lengths: list[int],
+                                             expected_repeats: int) -> None:
+    cfg = OmegaConf.load(CONF_DIR / "bench.yaml")
+    cfg.merge_with(OmegaConf.from_dotlist(overrides))
+    apply_preset(cfg, overrides)
+    assert list(cfg.lengths) == expected_lengths and cfg.repeats == expected_repeats
+    assert cfg.attentions == "quick" and cfg.throughput is False

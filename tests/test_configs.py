@@ -1,0 +1,178 @@
+"""Every option of every config group composes and instantiates; bad choices fail with clear messages."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import hydra
+import torch
+import pytest
+from hydra.errors import InstantiationException
+from omegaconf import OmegaConf
+
+from conftest import CONF, ROOT, compose_config
+from longseq.attention import ATTENTION_REGISTRY, AttentionConfigError
+from longseq.runner import build_datamodule, build_module, build_trainer, instantiate_group
+
+
+def options(group: str) -> list[str]:
+    """Option names of a config group (YAML files, recursively, without extension)."""
+    base = CONF / group
+    return sorted(str(p.relative_to(base).with_suffix("")) for p in base.rglob("*.yaml"))
+
+
+def test_registry_matches_attention_configs():
+    assert set(options("attention")) == set(ATTENTION_REGISTRY) | {"sparse", "combiner"}
+
+
+@pytest.mark.parametrize("task", options("task"))
+def test_task_composes_and_instantiates(task, tmp_path):
+    cfg = compose_config([f"task={task}"], tmp_path)
+    dm = build_datamodule(cfg)
+    module = build_module(cfg)
+    assert module.net.seq_len == cfg.task.seq_len
+    assert type(dm).__name__.lower().startswith(task.replace("_", "")[:5])
+
+
+@pytest.mark.parametrize("attention", options("attention"))
+def test_attention_builds_on_digits(attention, tmp_path):
+    cfg = compose_config([f"attention={attention}"], tmp_path)
+    module = build_module(cfg)
+    assert module.net.blocks[0].attn.attention.causal is True
+
+
+@pytest.mark.parametrize("family", ["sparse", "combiner"])
+@pytest.mark.parametrize("partition", options("partition"))
+def test_partition_builds_or_is_rejected_clearly(family, partition, tmp_path):
+    from longseq.attention.registry import PARTITION_FAMILIES
+
+    cfg = compose_config([f"attention={family}", f"partition={partition}"], tmp_path)
+    target = PARTITION_FAMILIES[family].get(partition)
+    if target in ATTENTION_REGISTRY:
+        attn = build_module(cfg).net.blocks[0].attn.attention
+        assert attn.name == target
+    else:
+        with pytest.raises(AttentionConfigError, match=f"partition={partition}"):
+            build_module(cfg)
+
+
+@pytest.mark.parametrize("group", ["model", "optimizer", "scheduler"])
+def test_model_optimizer_scheduler_options(group, tmp_path):
+    for option in options(group):
+        cfg = compose_config([f"{group}={option}", "trainer.max_steps=1"], tmp_path)
+        module = build_module(cfg)
+        trainer = build_trainer(cfg, [], [])
+        trainer.strategy.connect(module)
+        module.trainer = trainer
+        opt = module.configure_optimizers()
+        optimizer = opt["optimizer"] if isinstance(opt, dict) else opt
+        assert isinstance(optimizer, torch.optim.Optimizer)
+        assert optimizer.param_groups[0]["weight_decay"] == cfg.optimizer.weight_decay
+
+
+HARDWARE = {"gpu", "ddp", "fsdp", "tpu"}
+
+
+@pytest.mark.parametrize("trainer", options("trainer"))
+def test_trainer_options(trainer, tmp_path):
+    cfg = compose_config([f"trainer={trainer}"], tmp_path)
+    if trainer in HARDWARE:
+        # No accelerator here: the config must still compose, and instantiation must fail loudly
+        # rather than silently falling back to CPU.
+        assert cfg.trainer.accelerator in {"gpu", "tpu"}
+        with pytest.raises(InstantiationException, match="gpu backend|torch_xla"):
+            build_trainer(cfg, [], [])
+    else:
+        trainer_obj = build_trainer(cfg, [], [])
+        assert trainer_obj.num_devices == cfg.trainer.devices
+
+
+@pytest.mark.parametrize("group", ["callbacks", "logger"])
+def test_callbacks_and_loggers(group, tmp_path):
+    for option in options(group):
+        cfg = compose_config([f"{group}={option}"], tmp_path)
+        objs = instantiate_group(cfg.get(group))
+        expected = len([k for k, v in (cfg.get(group) or {}).items() if v and "_target_" in v])
+        assert len(objs) == expected
+
+
+def test_logger_many_loggers_has_three(tmp_path):
+    cfg = compose_config(["logger=many_loggers"], tmp_path)
+    assert set(cfg.logger) == {"csv", "tensorboard", "wandb"}
+
+
+@pytest.mark.parametrize("debug", options("debug"))
+def test_debug_options(debug, tmp_path):
+    cfg = compose_config([f"debug={debug}"], tmp_path)
+    assert cfg.task_name == "debug"
+    build_trainer(cfg, instantiate_group(cfg.get("callbacks")), [])
+
+
+@pytest.mark.parametrize("experiment", options("experiment"))
+def test_experiments_compose_and_build(experiment, tmp_path):
+    cfg = compose_config([f"experiment={experiment}"], tmp_path, fast=False)
+    assert cfg.tags
+    build_datamodule(cfg)
+    if experiment.startswith("cifar10/ablation_6l"):
+        assert (cfg.model.n_layers, cfg.model.n_heads, cfg.model.d_model) == (6, 8, 512)
+        assert (cfg.task.batch_size, cfg.optimizer.lr) == (32, 1e-3)
+
+
+def test_hparams_search_composes(tmp_path):
+    cfg = compose_config(["hparams_search=digits_optuna"], tmp_path)
+    assert cfg.optimized_metric == "val/bpd_best"
+    assert cfg.hydra.sweeper.direction == "minimize"
+    assert "optimizer.lr" in cfg.hydra.sweeper.params
+
+
+def test_paths_and_extras_and_eval_config(tmp_path):
+    cfg = compose_config([], tmp_path)
+    assert cfg.paths.data_dir.endswith("data")
+    assert cfg.extras.enforce_tags is True
+    ecfg = compose_config(["ckpt_path=x.ckpt"], tmp_path, config_name="eval")
+    assert ecfg.ckpt_path == "x.ckpt" and ecfg.split == "test"
+
+
+def test_unknown_attention_names_the_key(tmp_path):
+    with pytest.raises(Exception, match="attention"):
+        compose_config(["attention=nope"], tmp_path)
+    cfg = compose_config([], tmp_path)
+    cfg.attention.name = "nope"
+    with pytest.raises(AttentionConfigError, match=r"unknown attention 'nope'.*valid: .*full"):
+        build_module(cfg)
+
+
+def test_unknown_attention_knob_names_the_key(tmp_path):
+    cfg = compose_config(["+attention.window=3"], tmp_path)
+    with pytest.raises(AttentionConfigError, match="attention.window"):
+        build_module(cfg)
+
+
+def test_impossible_geometry_names_the_key(tmp_path):
+    cfg = compose_config(["attention=sparse", "partition=axial", "partition.block_size=7"], tmp_path)
+    with pytest.raises(AttentionConfigError, match=r"attention.block_size.*\[1, 2, 4, 8, 16, 32, 64\]"):
+        build_module(cfg)
+
+
+def test_non_causal_attention_on_density_task_is_rejected(tmp_path):
+    cfg = compose_config(["attention.causal=false"], tmp_path)
+    with pytest.raises(ValueError, match="attention.causal"):
+        build_module(cfg)
+
+
+def test_global_batch_must_divide(tmp_path):
+    cfg = compose_config(["task.batch_size=10", "trainer.accumulate_grad_batches=4"], tmp_path)
+    dm = build_datamodule(cfg)
+    with pytest.raises(ValueError, match="task.data.batch_size=10"):
+        dm.setup("fit")
+
+
+def test_cli_cfg_job_composes_for_gpu():
+    out = subprocess.run(
+        [sys.executable, "train.py", "attention=full", "task=cifar10", "trainer=gpu", "--cfg", "job"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    job = OmegaConf.create(out.stdout)
+    assert job.trainer.accelerator == "gpu" and job.task.seq_len == 3072
