@@ -26,7 +26,7 @@ def main(cfg: DictConfig) -> float | None:
     output_dir = Path(hydra_cfg.runtime.output_dir)
     extras(cfg, output_dir, multirun=hydra_cfg.mode == RunMode.MULTIRUN)
     set_float32_precision()
-    metrics = train(cfg, output_dir)
+    metrics = train(cfg)
     summary = {k: v for k, v in metrics.items() if k.startswith(("test/", "val/"))}
     print(f"results: {summary}")
     if "ckpt_path" in metrics:

@@ -55,3 +55,44 @@ def dense_masked_attention(q, k, v, allowed: torch.Tensor) -> torch.Tensor:
     logits = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
     logits = logits.masked_fill(~allowed, float("-inf"))
     return logits.softmax(-1) @ v
+
+
+def matrix_from_forward(attn: Attention, q, k) -> torch.Tensor:
+    """The weights the FAST path applies: ``forward(q, k, I)`` with one-hot values ``(B, H, L, L)``.
+
+    Valid for variants whose output is linear in v with weights independent of v (value width free).
+    """
+    attn.eval()
+    B, H, L, _ = q.shape
+    eye = torch.eye(L, dtype=q.dtype, device=q.device).expand(B, H, L, L)
+    return attn(q, k, eye)
+
+
+def assert_clean_partition(direct: torch.Tensor, regions: torch.Tensor, region_allowed: torch.Tensor, causal: bool) -> None:
+    """Per query, direct keys and the members of its allowed regions cover the allowed keys exactly once.
+
+    ``direct`` (L, L) bool, ``regions`` (R, L) bool membership, ``region_allowed`` (L, R) bool.
+    """
+    L = direct.shape[0]
+    coverage = direct.to(torch.int64) + region_allowed.to(torch.int64) @ regions.to(torch.int64)  # (L, L)
+    expected = torch.ones(L, L, dtype=torch.int64)
+    if causal:
+        expected = expected.tril()
+    assert torch.equal(coverage, expected), "direct keys and regions do not cover the allowed keys exactly once"
+    assert direct.diagonal().all(), "self must be attended directly"
+    assert regions.any(-1).all(), "empty region in the partition"
+
+
+def assert_region_rank_one(P: torch.Tensor, regions: torch.Tensor, region_allowed: torch.Tensor, atol: float = 1e-10) -> None:
+    """Within a region, every query's weights are proportional to one inner distribution p(j|R).
+
+    For each region R the block ``P[..., queries using R, members of R]`` is rank one: normalizing
+    each row to sum 1 gives the same row for every query.
+    """
+    for r in range(regions.shape[0]):
+        users = region_allowed[:, r].nonzero().flatten()
+        if users.numel() == 0:
+            continue
+        block = P[..., users, :][..., regions[r]]  # (B, H, |users|, |R|)
+        rows = block / block.sum(-1, keepdim=True)
+        torch.testing.assert_close(rows, rows[..., :1, :].expand_as(rows), atol=atol, rtol=0)

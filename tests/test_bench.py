@@ -140,3 +140,20 @@ def test_preset_keeps_command_line_overrides(overrides: list[str], expected_leng
     apply_preset(cfg, overrides)
     assert list(cfg.lengths) == expected_lengths and cfg.repeats == expected_repeats
     assert cfg.attentions == "quick" and cfg.throughput is False
+
+
+def test_training_throughput_lightning_vs_bare_loop(tmp_path: Path) -> None:
+    from longseq.bench.run import run_benchmark
+
+    cfg = OmegaConf.load(CONF_DIR / "bench.yaml")
+    cfg.merge_with({"attentions": ["full"], "lengths": [64], "mode": ["fwd"], "isolate": False, "device": "cpu",
+                    "plot": False, "out_dir": str(tmp_path), "throughput": True,
+                    "train_step": {"seq_len": 64, "block_size": 8, "batch": 2, "n_layers": 1, "d_model": 32,
+                                   "n_heads": 2, "warmup": 1, "steps": 2}})
+    run_dir = run_benchmark(cfg)
+    (row,) = read_rows(run_dir / "throughput.csv")
+    assert row["attention"] == "full" and row["status"] == "ok", row["note"]
+    assert float(row["tokens_per_s_lightning"]) > 0 and float(row["tokens_per_s_bare"]) > 0
+    overhead = float(row["lightning_overhead"])
+    assert math.isclose(overhead, float(row["lightning_ms"]) / float(row["bare_ms"]), rel_tol=1e-4)
+    assert "tokens/s (Lightning)" in (run_dir / "results.md").read_text()

@@ -15,6 +15,7 @@ import hydra
 import lightning as L
 import torch
 from lightning.pytorch.loggers import Logger, WandbLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from longseq.utils.config import register_resolvers
@@ -70,9 +71,13 @@ def metric_value(metrics: dict[str, Any], name: str | None) -> float | None:
     return value if math.isfinite(value) else float("inf")
 
 
-def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
-    """Fit (optionally resuming ``cfg.ckpt_path``) then test the best checkpoint; returns final metrics."""
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Fit (optionally resuming ``cfg.ckpt_path``) then test the best checkpoint; returns final metrics.
+
+    Everything the run writes goes under ``cfg.paths.output_dir`` (the Hydra run directory).
+    """
     register_resolvers()
+    output_dir = Path(cfg.paths.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     # Resolved copy of the config next to the checkpoints: eval.py rebuilds the run from it.
     (output_dir / RESOLVED_CONFIG).write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -90,6 +95,10 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
                 logger.experiment.config.update({"output_dir": str(output_dir)}, allow_val_change=True)
         if cfg.get("train", True):
             trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+            monitor = cfg.task.get("monitor")
+            if monitor and monitor not in trainer.callback_metrics and not trainer.interrupted:
+                log.warning(f"no validation ran during fit (trainer.max_steps ended it first); validating the final weights for {monitor}")
+                trainer.validate(module, datamodule=datamodule, verbose=False)
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
         if cfg.get("test", True):
             ckpt = best_checkpoint(trainer)
@@ -103,6 +112,10 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
         if last.exists():
             log.info(f"last checkpoint: {last}")
         return metrics
+    except SIGTERMException:
+        # Preempted: OnExceptionCheckpoint has written checkpoints/interrupted.ckpt; resume from it.
+        log.warning(f"SIGTERM received: saved {output_dir / 'checkpoints' / 'interrupted.ckpt'}; exiting with 143")
+        raise SystemExit(143)
     finally:
         close_loggers()
 

@@ -203,15 +203,18 @@ class CombinerAxialRowMajor(Attention):
             other_row = rows[None, :] < rows[:, None]  # (n[r], n[r']) strictly earlier rows
         else:
             other_row = rows[None, :] != rows[:, None]
-        # Column layout: query (r, c) meets summary (r', c) of its own column c.
-        summary_logits = qr.transpose(2, 3) @ summary_k.transpose(2, 3).transpose(-1, -2)  # (B,H,m,n,n)
+        # Column layout: query (r, c) meets summary (r', c) of its own column c. Batched matmuls get
+        # contiguous operands: strided batches make CPU bmm copy matrix by matrix.
+        q_col = qr.transpose(2, 3).contiguous()
+        summary_logits = q_col @ summary_k.transpose(2, 3).contiguous().transpose(-1, -2)  # (B,H,m,n,n)
         summary_logits = summary_logits.masked_fill(~other_row, NEG_INF).transpose(2, 3)  # (B,H,n,m,n)
 
         weights = torch.cat([row_logits, summary_logits], -1).softmax(-1)
         weights = self.weight_dropout(weights)
         direct_w, summary_w = weights.split([m, n], -1)
-        out = direct_w @ vr + (summary_w.transpose(2, 3) @ summary_v.transpose(2, 3)).transpose(2, 3)
-        return out.flatten(2, 3)
+        out = direct_w.contiguous() @ vr
+        summary_out = summary_w.transpose(2, 3).contiguous() @ summary_v.transpose(2, 3).contiguous()
+        return (out + summary_out.transpose(2, 3)).flatten(2, 3)
 
     # -- explicit partition and dense reference ---------------------------------------------------
     def partition(self, L: int, device=None) -> RegionPartition:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from longseq.attention.base import Attention, AttentionConfigError
-from longseq.attention.geometry import Grid, logsparse_keys
+from longseq.attention.geometry import Grid, logsparse_keys, num_log_levels
 from longseq.attention.registry import register_attention
 
 NEG_INF = float("-inf")
@@ -116,7 +116,7 @@ def joint_softmax(attn: SparseAttention, logit_parts: list[torch.Tensor]) -> lis
     """One softmax over the concatenation of logit parts (last axis); masked entries are -inf."""
     widths = [p.shape[-1] for p in logit_parts]
     weights = attn.weight_dropout(torch.cat(logit_parts, -1).softmax(-1))
-    return list(weights.split(widths, -1))
+    return [w.contiguous() for w in weights.split(widths, -1)]
 
 
 def column_part(q_grid, k_grid, v_grid, mask: torch.Tensor):
@@ -124,13 +124,14 @@ def column_part(q_grid, k_grid, v_grid, mask: torch.Tensor):
 
     q_grid, k_grid, v_grid (B, H, n, m, D) (q already scaled); ``mask`` (n, n) bool over (query row, key
     row). Returns ``logits`` (B, H, n, m, n) — query (r, c) against key (r', c) — and ``apply(w)`` mapping
-    weights of that shape to a (B, H, n, m, D) output.
+    weights of that shape to a (B, H, n, m, D) output. Transposed copies are made contiguous because
+    CPU ``bmm`` on such strided views is orders of magnitude slower.
     """
-    qc, kc, vc = (x.transpose(2, 3) for x in (q_grid, k_grid, v_grid))  # (B, H, m, n, D)
-    logits = (qc @ kc.transpose(-1, -2)).masked_fill(~mask, NEG_INF).transpose(2, 3)
+    qc, kc, vc = (x.transpose(2, 3).contiguous() for x in (q_grid, k_grid, v_grid))  # (B, H, m, n, D)
+    logits = (qc @ kc.transpose(-1, -2)).masked_fill(~mask, NEG_INF).transpose(2, 3).contiguous()
 
     def apply(weights: torch.Tensor) -> torch.Tensor:
-        return (weights.transpose(2, 3) @ vc).transpose(2, 3)
+        return (weights.transpose(2, 3).contiguous() @ vc).transpose(2, 3)
 
     return logits, apply
 
@@ -421,14 +422,17 @@ class LogSparseAttention(SparseAttention):
     (the last cell of each aligned power-of-two block that tiles [0, p), i.e. the blocks
     ``combiner_logsparse`` summarizes; ``geometry.logsparse_keys``). E.g. p = 13 attends to 13, 12, 11,
     7. Bidirectional: the causal set plus its mirror image (the causal pattern of the reversed
-    sequence: j with ``L-1-j`` in the causal set of ``L-1-i``). Any length works. Forward gathers each
-    query's ``1 + log2 L`` (or ``1 + 2 log2 L``) keys.
+    sequence: j with ``L-1-j`` in the causal set of ``L-1-i``). Any length works (padded internally).
+    Forward: per level l (a loop over ``log2 L`` levels) the level-l key of every position is the last
+    cell of the previous 2^l-aligned chunk, read by reshaping, not gathering; one softmax over the
+    ``1 + levels`` (``1 + 2 levels``) logits.
     """
 
     def __init__(self, *, causal: bool, **base) -> None:
         super().__init__(causal=causal, **base)
 
     def index_table(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(L, K) key table (``pattern`` only; ``forward`` uses the chunked layout below)."""
         idx, valid = logsparse_keys(length, device)
         if not self.causal:  # mirror: row i of the reversed table, keys reflected
             mirrored = (length - 1 - idx).flip(0)[:, 1:]
@@ -440,8 +444,45 @@ class LogSparseAttention(SparseAttention):
         return pattern_from_index_table(*self.index_table(length, None), length)
 
     def forward(self, q, k, v):
-        idx, valid = self.cached("idx", q.shape[-2], q.device, lambda: self.index_table(q.shape[-2], q.device))
-        return attend_index_table(self, q, k, v, idx, valid)
+        B, H, L, D = q.shape
+        levels = num_log_levels(L)
+        q = self.scale(q)
+        logits = [(q * k).sum(-1, keepdim=True)]  # self
+        values = [v]
+        for qs, ks, vs, flip in [(q, k, v, False)] + ([] if self.causal else [(q, k, v, True)]):
+            if flip:  # the mirrored keys are the causal keys of the reversed sequence
+                qs, ks, vs = qs.flip(2), ks.flip(2), vs.flip(2)
+            lvl_logits, lvl_values = self.level_keys(qs, ks, vs, levels)
+            if flip:
+                lvl_logits, lvl_values = lvl_logits.flip(2), [x.flip(2) for x in lvl_values]
+            logits.append(lvl_logits)
+            values += lvl_values
+        weights = joint_softmax(self, [torch.cat(logits, -1)])[0]  # (B, H, L, 1 + levels [+ levels])
+        return sum(weights[..., t : t + 1] * val for t, val in enumerate(values))
+
+    @staticmethod
+    def level_keys(q, k, v, levels: int):
+        """Causal level-l keys without a gather: chunk positions by 2^l; chunk c's key is the last cell of
+        chunk c - 1, valid when bit l of the position is set. Returns logits (B, H, L, levels) (-inf
+        where invalid) and per level the value each position reads, (B, H, L, D)."""
+        B, H, L, D = q.shape
+        top = 1 << max(levels - 1, 0)
+        Lp = -(-L // top) * top
+        pad = (0, 0, 0, Lp - L)
+        q, k, v = F.pad(q, pad), F.pad(k, pad), F.pad(v, pad)
+        pos = torch.arange(Lp, device=q.device)
+        logits, values = [], []
+        for lvl in range(levels):
+            size = 1 << lvl
+            nc = Lp // size
+            k_key = F.pad(k.view(B, H, nc, size, D)[:, :, :, -1], (0, 0, 1, 0))[:, :, :nc]  # (B, H, nc, D)
+            v_key = F.pad(v.view(B, H, nc, size, D)[:, :, :, -1], (0, 0, 1, 0))[:, :, :nc]
+            logit = (q.view(B, H, nc, size, D) * k_key.unsqueeze(3)).sum(-1).view(B, H, Lp)
+            logits.append(logit.masked_fill(((pos >> lvl) & 1) == 0, NEG_INF))
+            values.append(v_key.unsqueeze(3).expand(B, H, nc, size, D).reshape(B, H, Lp, D)[:, :, :L])
+        if not logits:
+            return q.new_zeros(B, H, L, 0), []
+        return torch.stack(logits, -1)[:, :, :L], values
 
 
 @register_attention("random")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
-import os
 import resource
 import statistics
 import time

@@ -33,7 +33,7 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def environment(device: str, threads: int | None, memory_method: str) -> dict[str, Any]:
+def environment(device: str, threads: int | None, memory_method: str, isolated: bool) -> dict[str, Any]:
     """What the numbers depend on: versions, threads, CPU/GPU names, memory method."""
     if threads:
         torch.set_num_threads(threads)
@@ -51,7 +51,8 @@ def environment(device: str, threads: int | None, memory_method: str) -> dict[st
         "cuda": torch.version.cuda if torch.cuda.is_available() else None,
         "peak_memory_method": (
             "torch.cuda.max_memory_allocated minus allocated after inputs"
-            if device.startswith("cuda") else f"CPU, fresh process per cell: {memory_method}"
+            if device.startswith("cuda")
+            else f"CPU RSS, {'fresh process per cell' if isolated else 'in-process (approximate)'}: {memory_method}"
         ),
         "git_commit": git_commit(),
     }
@@ -157,19 +158,22 @@ def markdown_table(rows: list[dict[str, Any]], mode: str) -> str:
     by_key = {(r["attention"], r["length"]): r for r in rows if r["mode"] == mode}
     header = "| attention | causal | " + " | ".join(f"L={n}" for n in lengths) + " |"
     lines = [header, "|" + "---|" * (len(lengths) + 2)]
+    notes: dict[str, set[str]] = {}
     for name in attentions:
-        cells, causal, notes = [], "", set()
+        cells, causal = [], ""
         for n in lengths:
             row = by_key.get((name, n))
             if row is None:
                 cells.append("")
                 continue
             causal = str(row["causal"]).lower()
-            if row.get("note") and row["status"] == "ok":
-                notes.add(row["note"])
+            if row.get("note"):
+                notes.setdefault(name, set()).add(row["note"] if row["status"] == "ok" else f"L={n}: {row['note']}")
             cells.append(_format_cell(row))
-        suffix = f" ({'; '.join(sorted(notes))})" if notes else ""
-        lines.append(f"| {name}{suffix} | {causal} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name}{' †' if name in notes else ''} | {causal} | " + " | ".join(cells) + " |")
+    if notes:
+        lines.append("")
+        lines += [f"- † {name}: {'; '.join(sorted(text))}" for name, text in notes.items()]
     return "\n".join(lines)
 
 

@@ -66,7 +66,7 @@ def run_benchmark(cfg: DictConfig, console: Console | None = None) -> Path:
     out = output_directory(str(cfg.out_dir))
 
     memory_method = cells.cpu_memory_method() if device == "cpu" else "cuda"
-    env = report.environment(device, cfg.threads, memory_method)
+    env = report.environment(device, cfg.threads, memory_method, isolate)
     env["isolated_cells"] = isolate
     report.write_json(env, out / "env.json")
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
@@ -109,7 +109,8 @@ def run_benchmark(cfg: DictConfig, console: Console | None = None) -> Path:
                         result.note = spec.note
                 row.update(result.as_dict())
                 rows.append(row)
-                console.print(f"  {name:28s} L={length:<6d} {mode:8s} {_progress_text(row)}")
+                console.print(f"  {name:28s} L={length:<6d} {mode:8s} {_progress_text(row)}",
+                              markup=False, soft_wrap=True)
 
     report.add_ratios(rows)
     report.write_csv(rows, out / "results.csv")
@@ -139,7 +140,7 @@ def run_benchmark(cfg: DictConfig, console: Console | None = None) -> Path:
     text = "\n".join(markdown)
     (out / "results.md").write_text(text)
     console.rule("results")
-    console.print(text, markup=False)
+    console.out(text, highlight=False)  # raw markdown, never wrapped, so it can be pasted
     console.print(f"wrote {out}/results.csv, plot.png, env.json, results.md")
     return out
 

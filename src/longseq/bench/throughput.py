@@ -67,6 +67,9 @@ def lightning_step_s(model: torch.nn.Module, loader: Any, steps: int, warmup: in
     """Median seconds per step of the same training under a minimal Lightning Trainer."""
     import lightning as L
 
+    for name in ("lightning.pytorch", "lightning.fabric"):  # "GPU available", tips: one per Trainer
+        logging.getLogger(name).setLevel(logging.WARNING)
+
     class StepTimer(L.Callback):
         def __init__(self) -> None:
             self.step_ends: list[float] = []
@@ -105,8 +108,6 @@ def measure_throughput(names: list[str], cfg: Any, device: str) -> list[dict[str
         note = f"longseq.models.transformer not importable ({type(error).__name__}: {error})"
         return [{"attention": n, "status": "unavailable", "note": note} for n in names]
 
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
     torch_device = torch.device(device)
     length, batch = int(cfg.seq_len), int(cfg.batch)
     generator = torch.Generator().manual_seed(0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import hydra
@@ -10,6 +11,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from longseq.models.transformer import Transformer
+
+log = logging.getLogger(__name__)
 
 
 def to_dict(node: Any) -> Any:
@@ -43,6 +46,10 @@ class SequenceTask(L.LightningModule):
         model = {k: v for k, v in model.items() if k != "_target_"}
         self.net = Transformer(vocab_size=vocab_size, seq_len=seq_len, attention=attention,
                                image_shape=image_shape, out_dim=out_dim, **model)
+
+    def on_train_start(self) -> None:
+        # A line in the run's log file marks that signal handlers are installed (used by the SIGTERM test).
+        log.info(f"training started at step {self.global_step}")
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.log("train/lr", optimizer.param_groups[0]["lr"])

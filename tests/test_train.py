@@ -1,0 +1,147 @@
+"""End-to-end training: every task on fixtures, eval round trip, resume, DDP on CPU, W&B offline, multirun, SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, compose_config
+from longseq.runner import evaluate, train
+from test_image_data import write_cifar10_fixture, write_imagenet64_fixture
+
+
+def test_digits_trains_and_tests_best_checkpoint(make_cfg, tmp_path):
+    cfg = make_cfg(["trainer.max_steps=6", "trainer.val_check_interval=3", "trainer.check_val_every_n_epoch=null"])
+    metrics = train(cfg)
+    assert 0 < metrics["test/bpd"] < 8
+    assert metrics["val/bpd_best"] <= metrics["val/bpd"] + 1e-6
+    assert Path(metrics["ckpt_path"]).name == "best.ckpt"
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    assert (tmp_path / "config_resolved.yaml").is_file()
+
+
+@pytest.mark.parametrize("task,writer,extra", [
+    ("cifar10", write_cifar10_fixture, ["task.data.verify_checksums=false", "task.data.val_size=4", "task.data.download=false"]),
+    ("imagenet64", write_imagenet64_fixture, ["task.data.train_batches=2", "task.data.val_size=2"]),
+])
+def test_fast_dev_run_on_fixture(task, writer, extra, make_cfg, tmp_path):
+    data_dir = tmp_path / "data"
+    writer(data_dir)
+    cfg = make_cfg([f"task={task}", f"paths.data_dir={data_dir}", "task.batch_size=2", "task.data.num_workers=0",
+                    "trainer.fast_dev_run=true", *extra])
+    metrics = train(cfg)
+    assert 0 < metrics["test/bpd"] < 12  # 256 levels: uniform is 8 bits/dim
+
+
+def test_fast_dev_run_digits(make_cfg, tmp_path):
+    metrics = train(make_cfg(["trainer.fast_dev_run=true"]))
+    assert 0 < metrics["test/bpd"] < 6
+
+
+def test_eval_round_trip_reproduces_test_bpd(make_cfg, tmp_path):
+    metrics = train(compose_config(["trainer.max_steps=4"], tmp_path / "run"))
+    ecfg = compose_config([f"ckpt_path={metrics['ckpt_path']}", "trainer.limit_test_batches=1"], tmp_path / "eval", config_name="eval")
+    evaluated = evaluate(ecfg)
+    assert evaluated["test/bpd"] == pytest.approx(metrics["test/bpd"], rel=1e-5)
+
+
+def test_resume_continues_at_same_step_with_optimizer_state(make_cfg, tmp_path):
+    train(compose_config(["trainer.max_steps=5", "test=false"], tmp_path / "a"))
+    last = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    saved = torch.load(last, weights_only=False)
+    assert saved["global_step"] == 5
+
+    import lightning as L
+
+    seen = {}
+
+    class Probe(L.Callback):
+        def on_train_start(self, trainer, module):
+            seen["step"] = trainer.global_step
+            seen["exp_avg"] = next(iter(trainer.optimizers[0].state.values()))["exp_avg"].clone()
+
+    second = compose_config(["trainer.max_steps=8", "test=false", f"ckpt_path={last}"], tmp_path / "b")
+    from longseq import runner
+
+    original = runner.instantiate_group
+    runner.instantiate_group = lambda group: original(group) + ([Probe()] if group is second.get("callbacks") else [])
+    try:
+        runner.train(second)
+    finally:
+        runner.instantiate_group = original
+    assert seen["step"] == 5
+    saved_exp_avg = next(iter(saved["optimizer_states"][0]["state"].values()))["exp_avg"]
+    torch.testing.assert_close(seen["exp_avg"], saved_exp_avg)
+    assert torch.load(tmp_path / "b" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 8
+
+
+def test_ddp_cpu_two_processes(make_cfg, tmp_path):
+    cfg = make_cfg(["trainer=ddp_cpu", "trainer.max_steps=2", "task.batch_size=8", "trainer.val_check_interval=2",
+                    "trainer.check_val_every_n_epoch=null"])
+    metrics = train(cfg)
+    assert 0 < metrics["test/bpd"] < 6
+    assert metrics["val/bpd_best"] == pytest.approx(metrics["val/bpd"])
+
+
+def test_wandb_offline_writes_run_files(make_cfg, tmp_path):
+    cfg = make_cfg(["logger=wandb", "logger.wandb.offline=true", "trainer.max_steps=2"])
+    train(cfg)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    assert list(runs[0].glob("run-*.wandb"))
+
+
+def test_csv_logger_writes_metrics_and_samples(make_cfg, tmp_path):
+    cfg = make_cfg(["logger=csv", "trainer.max_steps=44", "task.sample_every_n_epochs=1", "callbacks.samples.n_samples=4"])
+    train(cfg)
+    text = (tmp_path / "csv" / "metrics.csv").read_text()
+    assert "val/bpd" in text and "train/loss" in text and "test/bpd" in text
+    assert list((tmp_path / "samples").glob("samples_step*.png"))
+    assert list((tmp_path / "csv").glob("samples_step*.png"))
+
+
+def run_cli(args: list[str], **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, env=env, **kw)
+
+
+TINY_CLI = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "trainer.limit_val_batches=1",
+            "trainer.limit_test_batches=1", "extras.print_config=false", "trainer.enable_progress_bar=false"]
+
+
+def test_multirun_gives_two_run_dirs_and_two_wandb_runs(tmp_path):
+    out = run_cli(["-m", "seed=1,2", "trainer.max_steps=2", "logger=wandb", "logger.wandb.offline=true",
+                   f"paths.log_dir={tmp_path}", *TINY_CLI], timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    jobs = sorted(p for p in tmp_path.glob("train/multiruns/*/*") if p.is_dir() and p.name.isdigit())
+    assert [p.name for p in jobs] == ["0", "1"]
+    for job in jobs:
+        assert len(list((job / "wandb").glob("offline-run-*"))) == 1
+        assert (job / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_sigterm_saves_a_checkpoint_before_exiting(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", "trainer.max_steps=100000", f"hydra.run.dir={run_dir}", *TINY_CLI],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    log_file = run_dir / "train.log"
+    deadline = time.time() + 120
+    while time.time() < deadline and "training started" not in (log_file.read_text() if log_file.exists() else ""):
+        time.sleep(0.5)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    ckpt = run_dir / "checkpoints" / "interrupted.ckpt"
+    assert ckpt.is_file(), err[-3000:]
+    assert torch.load(ckpt, weights_only=False)["global_step"] > 0
