@@ -39,35 +39,30 @@ def balanced_assignment(scores: torch.Tensor) -> torch.Tensor:
         raise AttentionConfigError(
             f"attention.n_clusters={n_clusters} must divide the {n_pos} positions being clustered"
         )
-    scores = scores.detach().reshape(-1, n_pos, n_clusters)
-    groups = scores.shape[0]
-    device = scores.device
-    assignment = torch.full((groups, n_pos), -1, dtype=torch.long, device=device)
-    room = torch.full((groups, n_clusters), n_pos // n_clusters, dtype=torch.long, device=device)
-    position = torch.arange(n_pos, device=device).expand(groups, n_pos)
-    for _ in range(n_clusters):  # at most K rounds; usually a handful
-        pending = assignment < 0
-        if not bool(pending.any()):
+    flat_scores = scores.detach().reshape(-1, n_clusters)  # (G*N, K), one row per position
+    device = flat_scores.device
+    groups = flat_scores.shape[0] // n_pos
+    assignment = torch.full((groups * n_pos,), -1, dtype=torch.long, device=device)
+    room = torch.full((groups * n_clusters,), n_pos // n_clusters, dtype=torch.long, device=device)
+    pending = torch.arange(groups * n_pos, device=device)  # increasing = earlier positions first
+    for _ in range(n_clusters):  # at most K rounds; usually a handful, each on the still-pending rows
+        if pending.numel() == 0:
             break
-        open_scores = scores.masked_fill((room == 0).unsqueeze(1), float("-inf"))
-        best_score, choice = open_scores.max(-1)  # (G, N)
-        # rank proposers of each centroid: sort by score (desc, stable keeps earlier positions first),
-        # then stably by chosen centroid; settled positions get the id K and sort last
-        choice = torch.where(pending, choice, n_clusters)
-        by_score = torch.sort(-best_score, dim=-1, stable=True).indices
-        by_choice = torch.sort(choice.gather(1, by_score), dim=-1, stable=True).indices
-        order = by_score.gather(1, by_choice)  # (G, N) positions, grouped by choice, best first
-        sorted_choice = choice.gather(1, order)
-        proposals = torch.zeros(groups, n_clusters + 1, dtype=torch.long, device=device)
-        proposals.scatter_add_(1, choice, torch.ones_like(choice))
-        first = proposals.cumsum(1) - proposals  # start of each centroid's run in ``order``
-        rank = position - first.gather(1, sorted_choice)
-        room_ext = torch.cat([room, torch.zeros_like(room[:, :1])], 1)
-        accepted = rank < room_ext.gather(1, sorted_choice)  # settled ones (id K, room 0) never accept
-        new_ids = torch.full_like(assignment, -1).scatter(1, order, torch.where(accepted, sorted_choice, -1))
-        assignment = torch.where(new_ids >= 0, new_ids, assignment)
-        taken = torch.zeros_like(room_ext).scatter_add_(1, sorted_choice, accepted.long())
-        room = room - taken[:, :n_clusters]
+        group = pending // n_pos
+        full = room.view(groups, n_clusters)[group] == 0  # (P, K)
+        best, choice = flat_scores[pending].masked_fill(full, float("-inf")).max(-1)
+        slot = group * n_clusters + choice  # (group, centroid) proposed to
+        # proposers of each slot, most similar first; stable sorts keep earlier positions first on ties
+        by_score = torch.sort(-best, stable=True).indices
+        order = by_score[torch.sort(slot[by_score], stable=True).indices]
+        sorted_slot = slot[order]
+        proposals = torch.bincount(slot, minlength=room.numel())
+        first = proposals.cumsum(0) - proposals
+        rank = torch.arange(order.numel(), device=device) - first[sorted_slot]
+        accepted = rank < room[sorted_slot]
+        assignment[pending[order[accepted]]] = choice[order[accepted]]
+        room = room - torch.bincount(sorted_slot[accepted], minlength=room.numel())
+        pending = torch.sort(pending[order[~accepted]]).values
     return assignment.view(*lead, n_pos)
 
 

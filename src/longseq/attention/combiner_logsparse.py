@@ -122,6 +122,11 @@ def _past_partition(length: int, device: torch.device | None):
     return direct, blocks[used], allowed[:, used]
 
 
+def _with_tail(main: torch.Tensor, tail: torch.Tensor, dim: int) -> torch.Tensor:
+    """Append the partial last chunk's entries along ``dim``; no copy when there is none (L = 2^k)."""
+    return main if tail.shape[dim] == 0 else torch.cat([main, tail], dim)
+
+
 class _PastLevels:
     """The causal candidates of one direction: raw previous token + one block summary per level >= 1.
 
@@ -150,10 +155,10 @@ class _PastLevels:
             q_pool = summary.reduce_over(q_pool[..., : 2 * n_full, :].unflatten(-2, (n_full, 2)), -2)
             k_pool = summary.reduce_over(k_pool[..., : 2 * n_full, :].unflatten(-2, (n_full, 2)), -2)
             k_chunks = self._chunks(k, level)  # (B, H, n_full, 2^l, D)
-            inner = (k_chunks @ q_pool.unsqueeze(-1)).squeeze(-1).softmax(-1)  # (B, H, n_full, 2^l)
+            inner = (k_chunks * q_pool.unsqueeze(-2)).sum(-1).softmax(-1)  # (B, H, n_full, 2^l)
             inner = attn.weight_dropout(inner)
             self.k_bar.append(k_pool)
-            self.v_bar.append((inner.unsqueeze(-2) @ self._chunks(v, level)).squeeze(-2))
+            self.v_bar.append((inner.unsqueeze(-1) * self._chunks(v, level)).sum(-2))
 
     def _chunks(self, x: torch.Tensor, level: int) -> torch.Tensor:
         """View of the full aligned chunks of size 2^level: (B, H, n_full, 2^level, ...)."""
@@ -169,9 +174,8 @@ class _PastLevels:
             n_full = self.length >> level
             # chunk j reads chunk j - 1; chunk 0 reads a zero key (always masked)
             k_prev = torch.cat([torch.zeros_like(k_bar[..., :1, :]), k_bar[..., :-1, :]], -2)
-            main = (self._chunks(qs, level) @ k_prev.unsqueeze(-1)).flatten(-3)  # (B, H, n_full * 2^l)
-            tail = (qs[..., n_full << level :, :] @ k_bar[..., -1:, :].transpose(-1, -2)).squeeze(-1)
-            columns.append(torch.cat([main, tail], -1))
+            main = (self._chunks(qs, level) * k_prev.unsqueeze(-2)).sum(-1).flatten(-2)  # (B, H, n_full * 2^l)
+            columns.append(_with_tail(main, (qs[..., n_full << level :, :] * k_bar[..., -1:, :]).sum(-1), -1))
         return torch.stack(columns, -1)
 
     def output(self, weights: torch.Tensor) -> torch.Tensor:
@@ -184,6 +188,5 @@ class _PastLevels:
             w = weights[..., level]
             v_prev = torch.cat([torch.zeros_like(v_bar[..., :1, :]), v_bar[..., :-1, :]], -2)
             main = (w[..., : n_full << level].unflatten(-1, (n_full, 1 << level)).unsqueeze(-1) * v_prev.unsqueeze(-2)).flatten(-3, -2)
-            tail = w[..., n_full << level :].unsqueeze(-1) * v_bar[..., -1:, :]
-            out = out + torch.cat([main, tail], -2)
+            out = out + _with_tail(main, w[..., n_full << level :].unsqueeze(-1) * v_bar[..., -1:, :], -2)
         return out

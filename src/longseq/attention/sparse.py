@@ -119,6 +119,27 @@ def joint_softmax(attn: SparseAttention, logit_parts: list[torch.Tensor]) -> lis
     return [w.contiguous() for w in weights.split(widths, -1)]
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous.
+
+    Applied to batched-matmul outputs: CPU ``bmm`` backward on a transposed or zero-stride gradient
+    (e.g. from ``out.sum().backward()``) leaves BLAS and runs tens of times slower.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` whose gradient reaches ``bmm`` in a contiguous layout."""
+    return _ContiguousGrad.apply(a @ b)
+
+
 def column_part(q_grid, k_grid, v_grid, mask: torch.Tensor):
     """Column-layout logits and the matching value map for an ``n x m`` grid.
 
@@ -128,10 +149,10 @@ def column_part(q_grid, k_grid, v_grid, mask: torch.Tensor):
     CPU ``bmm`` on such strided views is orders of magnitude slower.
     """
     qc, kc, vc = (x.transpose(2, 3).contiguous() for x in (q_grid, k_grid, v_grid))  # (B, H, m, n, D)
-    logits = (qc @ kc.transpose(-1, -2)).masked_fill(~mask, NEG_INF).transpose(2, 3).contiguous()
+    logits = matmul(qc, kc.transpose(-1, -2)).masked_fill(~mask, NEG_INF).transpose(2, 3).contiguous()
 
     def apply(weights: torch.Tensor) -> torch.Tensor:
-        return (weights.transpose(2, 3).contiguous() @ vc).transpose(2, 3)
+        return matmul(weights.transpose(2, 3).contiguous(), vc).transpose(2, 3)
 
     return logits, apply
 
@@ -342,10 +363,10 @@ class AxialAttention(SparseAttention):
         n, m = grid.n_rows, grid.n_cols
         qg, kg, vg = (x.reshape(B, H, n, m, D) for x in (self.scale(q), k, v))
         row_mask, col_mask = self.cached("masks", L, q.device, lambda: self.masks(n, m, q.device))
-        row_logits = (qg @ kg.transpose(-1, -2)).masked_fill(~row_mask, NEG_INF)  # (B, H, n, m, m)
+        row_logits = matmul(qg, kg.transpose(-1, -2)).masked_fill(~row_mask, NEG_INF)  # (B, H, n, m, m)
         col_logits, col_apply = column_part(qg, kg, vg, col_mask)  # (B, H, n, m, n)
         w_row, w_col = joint_softmax(self, [row_logits, col_logits])
-        return (w_row @ vg + col_apply(w_col)).reshape(B, H, L, D)
+        return (matmul(w_row, vg) + col_apply(w_col)).reshape(B, H, L, D)
 
     def masks(self, n: int, m: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Row mask (m, m) over (query col, key col); column mask (n, n) over (query row, key row), self excluded."""
@@ -395,10 +416,10 @@ class StridedAttention(SparseAttention):
         ahead = 0 if self.causal else 1
         k_band, v_band = neighbour_blocks(kg, 1, ahead), neighbour_blocks(vg, 1, ahead)
         band_mask, col_mask = self.cached("masks", L, q.device, lambda: self.masks(n, l, q.device))
-        band_logits = (qg @ k_band.transpose(-1, -2)).masked_fill(~band_mask, NEG_INF)
+        band_logits = matmul(qg, k_band.transpose(-1, -2)).masked_fill(~band_mask, NEG_INF)
         col_logits, col_apply = column_part(qg, kg, vg, col_mask)
         w_band, w_col = joint_softmax(self, [band_logits, col_logits])
-        return (w_band @ v_band + col_apply(w_col)).reshape(B, H, L, D)
+        return (matmul(w_band, v_band) + col_apply(w_col)).reshape(B, H, L, D)
 
     def masks(self, n: int, l: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Band mask (n, l, keys) from positions; column mask (n, n) over rows, own row excluded."""
