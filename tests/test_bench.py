@@ -149,7 +149,7 @@ def test_training_throughput_lightning_vs_bare_loop(tmp_path: Path) -> None:
     cfg.merge_with({"attentions": ["full"], "lengths": [64], "mode": ["fwd"], "isolate": False, "device": "cpu",
                     "plot": False, "out_dir": str(tmp_path), "throughput": True,
                     "train_step": {"seq_len": 64, "block_size": 8, "batch": 2, "n_layers": 1, "d_model": 32,
-                                   "n_heads": 2, "warmup": 1, "steps": 2}})
+                                   "n_heads": 2, "warmup": 1, "steps": 2, "rounds": 1}})
     run_dir = run_benchmark(cfg)
     (row,) = read_rows(run_dir / "throughput.csv")
     assert row["attention"] == "full" and row["status"] == "ok", row["note"]

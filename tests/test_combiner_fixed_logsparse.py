@@ -272,3 +272,17 @@ def test_config_file(name):
     assert ("block_size" in cfg) == (name == "combiner_fixed")
     knobs = {k: (4 if k == "block_size" else v) for k, v in cfg.items() if k not in {"name", "causal"}}
     build_attention(name, causal=True, seq_len=16, **knobs)
+
+
+def test_fixed_runs_the_fused_sdpa_kernel():
+    """The joint softmax keeps 4-D SDPA inputs, so the fused CPU kernel (not the math path) runs, both ways."""
+    from torch.profiler import ProfilerActivity, profile
+
+    attn = build_attention("combiner_fixed", causal=True, block_size=8)
+    q, k, v = random_qkv(B=1, H=2, L=64, D=16, dtype=torch.float32, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        attn(q, k, v).sum().backward()
+    ops = {event.key for event in prof.key_averages()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu_backward" in ops
+    assert "aten::_scaled_dot_product_attention_math" not in ops

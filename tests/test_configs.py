@@ -12,7 +12,7 @@ from hydra.errors import InstantiationException
 from omegaconf import OmegaConf
 
 from conftest import CONF, ROOT, compose_config
-from longseq.attention import ATTENTION_REGISTRY, AttentionConfigError
+from longseq.attention import ATTENTION_REGISTRY, AttentionConfigError, build_attention
 from longseq.runner import build_datamodule, build_module, build_trainer, instantiate_group
 
 
@@ -37,9 +37,21 @@ def test_task_composes_and_instantiates(task, tmp_path):
 
 @pytest.mark.parametrize("attention", options("attention"))
 def test_attention_builds_on_digits(attention, tmp_path):
+    """Causal-capable attentions build inside the density model; bidirectional-only ones are rejected
+    there with a message naming the attention, and build from the same config with causal=false."""
     cfg = compose_config([f"attention={attention}"], tmp_path)
-    module = build_module(cfg)
-    assert module.net.blocks[0].attn.attention.causal is True
+    factory = ATTENTION_REGISTRY.get(attention)
+    if factory is None or factory.cls.supports_causal:
+        module = build_module(cfg)
+        assert module.net.blocks[0].attn.attention.causal is True
+        return
+    with pytest.raises(AttentionConfigError, match=f"'{attention}' cannot be causal"):
+        build_module(cfg)
+    spec = OmegaConf.to_container(cfg.attention, resolve=True)
+    spec["causal"] = False
+    attn = build_attention(spec.pop("name"), seq_len=cfg.task.seq_len, n_heads=2, head_dim=16, **spec)
+    q = k = v = torch.randn(1, 2, cfg.task.seq_len, 16)
+    assert attn(q, k, v).shape == q.shape
 
 
 @pytest.mark.parametrize("family", ["sparse", "combiner"])

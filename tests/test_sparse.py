@@ -243,8 +243,8 @@ def test_causal_perturbation(name, L, kw, causal):
 )
 def test_gradients(name, kw, causal):
     attn = build(name, causal, kw, L=8).eval()
-    q, k, v = random_qkv(B=1, L=8, D=4, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda a, b, c: attn(a, b, c), (q, k, v))
+    q, k, v = random_qkv(B=1, L=8, D=3, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b, c: attn(a, b, c), (q, k, v), fast_mode=True)
     attn(q, k, v).square().sum().backward()
     assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, k, v))
 

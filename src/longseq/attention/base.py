@@ -7,6 +7,14 @@ scaling happens once, inside the module.
 
 Capabilities are class attributes, checked at construction so that an impossible choice fails before
 any training starts, with a message naming the offending key.
+
+Padding: variable-length inputs (LRA ListOps / Text / Retrieval) are padded to the fixed length the
+geometry was built for and pass ``key_padding_mask`` ``(B, L)`` bool, **True = padded key** (PyTorch's
+``nn.MultiheadAttention`` convention). A padded key gets zero weight from every query. Only variants with
+``supports_padding_mask = True`` accept the keyword; a padded task rejects the others when it is built
+(``check_padding_support``). A query whose every allowed key is padded (an empty document) has no valid
+key; variants give such a row uniform weight over its allowed keys instead of NaN (its output is never
+pooled, since pooling skips padded positions).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ class Attention(nn.Module):
     name: str = "?"  # set by the registry
     supports_causal: bool = True
     supports_bidirectional: bool = True
+    supports_padding_mask: bool = False  # forward/attention_matrix accept key_padding_mask=(B, L), True = pad
     has_parameters: bool = False
 
     def __init__(
@@ -92,6 +101,15 @@ class Attention(nn.Module):
                 f"({self.geometry_key()}); valid block sizes for L={length}: {divisors(length)}"
             )
 
+    def check_padding_support(self, task: str = "this task") -> None:
+        """Raise when a padded task (variable-length inputs) uses a variant without key-padding support."""
+        if not self.supports_padding_mask:
+            raise AttentionConfigError(
+                f"attention '{self.name}' does not support key_padding_mask (supports_padding_mask=False), "
+                f"which {task} needs for its padded variable-length inputs; pick an attention that does "
+                "(e.g. attention=full) or a task without padding"
+            )
+
     # -- helpers ------------------------------------------------------------------------------
     @staticmethod
     def scale(q: torch.Tensor) -> torch.Tensor:
@@ -106,11 +124,17 @@ class Attention(nn.Module):
 
     # -- the contract ---------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # noqa: D401
-        """(B, H, L, D) unscaled q, k, v -> (B, H, L, D)."""
+        """(B, H, L, D) unscaled q, k, v -> (B, H, L, D).
+
+        Variants with ``supports_padding_mask`` also take ``key_padding_mask=None`` ((B, L) bool, True = pad).
+        """
         raise NotImplementedError
 
     def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """(B, H, L, L) effective normalized weights such that ``forward == P @ v`` (no dropout)."""
+        """(B, H, L, L) effective normalized weights such that ``forward == P @ v`` (no dropout).
+
+        Variants with ``supports_padding_mask`` also take ``key_padding_mask=None`` (zero columns at pads).
+        """
         raise NotImplementedError
 
     def extra_repr(self) -> str:

@@ -45,12 +45,17 @@ def balanced_assignment(scores: torch.Tensor) -> torch.Tensor:
     assignment = torch.full((groups * n_pos,), -1, dtype=torch.long, device=device)
     room = torch.full((groups * n_clusters,), n_pos // n_clusters, dtype=torch.long, device=device)
     pending = torch.arange(groups * n_pos, device=device)  # increasing = earlier positions first
+    first_round = True
     for _ in range(n_clusters):  # at most K rounds; usually a handful, each on the still-pending rows
         if pending.numel() == 0:
             break
         group = pending // n_pos
-        full = room.view(groups, n_clusters)[group] == 0  # (P, K)
-        best, choice = flat_scores[pending].masked_fill(full, float("-inf")).max(-1)
+        if first_round:  # every centroid has room: no masking, no copy
+            best, choice = flat_scores.max(-1)
+            first_round = False
+        else:
+            full = (room.view(groups, n_clusters) == 0)[group]  # (P, K)
+            best, choice = flat_scores[pending].masked_fill(full, float("-inf")).max(-1)
         slot = group * n_clusters + choice  # (group, centroid) proposed to
         # proposers of each slot, most similar first; stable sorts keep earlier positions first on ties
         by_score = torch.sort(-best, stable=True).indices

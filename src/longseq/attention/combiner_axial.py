@@ -196,25 +196,27 @@ class CombinerAxialRowMajor(Attention):
         k_wsum = row_probs @ kr if self.row_summary == "wsum" else None
         summary_k = self.summary_keys(summary_v, kr, k_wsum)
 
-        device = q.device
-        cols, rows = torch.arange(m, device=device), torch.arange(n, device=device)
-        if self.causal:
-            row_logits = row_logits.masked_fill(cols[None, :] > cols[:, None], NEG_INF)
-            other_row = rows[None, :] < rows[:, None]  # (n[r], n[r']) strictly earlier rows
-        else:
-            other_row = rows[None, :] != rows[:, None]
         # Column layout: query (r, c) meets summary (r', c) of its own column c. Batched matmuls get
         # contiguous operands: strided batches make CPU bmm copy matrix by matrix.
         q_col = qr.transpose(2, 3).contiguous()
         summary_logits = q_col @ summary_k.transpose(2, 3).contiguous().transpose(-1, -2)  # (B,H,m,n,n)
-        summary_logits = summary_logits.masked_fill(~other_row, NEG_INF).transpose(2, 3)  # (B,H,n,m,n)
-
-        weights = torch.cat([row_logits, summary_logits], -1).softmax(-1)
-        weights = self.weight_dropout(weights)
+        logits = torch.cat([row_logits, summary_logits.transpose(2, 3)], -1)  # (B,H,n,m,m+n)
+        # Masks go in place on the fresh concatenation (cat's backward does not need its output).
+        logits.masked_fill_(self.joint_mask(n, m, q.device), NEG_INF)
+        weights = self.weight_dropout(logits.softmax(-1))
         direct_w, summary_w = weights.split([m, n], -1)
-        out = direct_w.contiguous() @ vr
+        out = direct_w @ vr
         summary_out = summary_w.transpose(2, 3).contiguous() @ summary_v.transpose(2, 3).contiguous()
         return (out + summary_out.transpose(2, 3)).flatten(2, 3)
+
+    def joint_mask(self, n: int, m: int, device) -> torch.Tensor:
+        """(n, m, m + n) bool, True = masked: later own-row columns (causal) and unusable rows."""
+        rows, cols = torch.arange(n, device=device), torch.arange(m, device=device)
+        later_col = cols[None, :, None] < cols[None, None, :]  # (1, m[c], m[c'])
+        if not self.causal:
+            later_col = torch.zeros_like(later_col)
+        unusable_row = rows[:, None, None] <= rows[None, None, :] if self.causal else rows[:, None, None] == rows[None, None, :]
+        return torch.cat([later_col.expand(n, m, m), unusable_row.expand(n, m, n)], -1)
 
     # -- explicit partition and dense reference ---------------------------------------------------
     def partition(self, L: int, device=None) -> RegionPartition:

@@ -113,8 +113,9 @@ class CombinerFixedAttention(Attention):
 
         q_bar = self.summary.pool_queries(qs, -2)  # (BH, n, D)
         k_bar = self.summary.pool_keys(kb, -2)  # (BH, n, D)
-        inner = (q_bar.unsqueeze(-2) @ kb.transpose(-1, -2)).softmax(-1)  # (BH, n, 1, m): p(t | segment)
-        v_bar = (self.weight_dropout(inner) @ vb).squeeze(-2)  # (BH, n, Dv)
+        # v_bar = sum_t softmax_t(q_bar . k_t) v_t: one query per segment, through the fused kernel too
+        drop = self.dropout if self.training else 0.0
+        v_bar = F.scaled_dot_product_attention(q_bar.unsqueeze(-2), kb, vb, dropout_p=drop, scale=1.0).squeeze(-2)  # (BH, n, Dv)
 
         # every segment sees the same n summaries; which ones it may use is the mask's business
         keys = torch.cat([kb, k_bar.unsqueeze(1).expand(-1, n, -1, -1)], -2)  # (BH, n, m + n, D)

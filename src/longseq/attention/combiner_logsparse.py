@@ -122,18 +122,15 @@ def _past_partition(length: int, device: torch.device | None):
     return direct, blocks[used], allowed[:, used]
 
 
-def _with_tail(main: torch.Tensor, tail: torch.Tensor, dim: int) -> torch.Tensor:
-    """Append the partial last chunk's entries along ``dim``; no copy when there is none (L = 2^k)."""
-    return main if tail.shape[dim] == 0 else torch.cat([main, tail], dim)
-
-
 class _PastLevels:
     """The causal candidates of one direction: raw previous token + one block summary per level >= 1.
 
-    Works on chunk views (no gathers): at level l the sequence is cut into n_full = L >> l aligned
-    chunks of size 2^l, and every query of chunk j reads the summary of chunk j - 1 (used when j is
-    odd, i.e. bit l of p is set). Queries past the last full chunk (a partial chunk j = n_full) read
-    chunk n_full - 1.
+    Works on strided chunk views, no gathers. At level l the sequence is cut into n_full = L >> l
+    aligned chunks of size 2^l. A query in chunk j has bit l set iff j is odd, and then reads the
+    summary of chunk j - 1. So only EVEN chunks are summarized and only ODD chunks query them: view
+    the sequence as pairs (even chunk, odd chunk) of length 2^(l+1). When n_full is odd, the last
+    full chunk is even and the positions after it (a partial chunk, possibly empty) read it.
+    All per-level work is O(L D / 2), hence O(L D log L) in total.
     """
 
     def __init__(self, attn: CombinerLogsparseAttention, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -146,47 +143,59 @@ class _PastLevels:
             valid = torch.zeros(L, 1, dtype=torch.bool, device=qs.device)
         self.allowed = valid  # (L, max(levels, 1))
         summary = attn.summary
-        q_feat, k_feat = summary.query_features(qs), summary.key_features(k)
-        self.k_bar, self.v_bar = [], []  # per level >= 1: (B, H, n_full, D), (B, H, n_full, Dv)
-        q_pool, k_pool = q_feat, k_feat  # pooled over the chunks of the previous level
+        self.k_bar, self.v_bar = [], []  # per level >= 1, even chunks only: (B, H, ceil(n_full / 2), D or Dv)
+        q_pool, k_pool = summary.query_features(qs), summary.key_features(k)
         for level in range(1, self.n_levels):
             n_full = L >> level
             # a level-l chunk is two level-(l-1) chunks: pool hierarchically (exact for max and mean)
             q_pool = summary.reduce_over(q_pool[..., : 2 * n_full, :].unflatten(-2, (n_full, 2)), -2)
             k_pool = summary.reduce_over(k_pool[..., : 2 * n_full, :].unflatten(-2, (n_full, 2)), -2)
-            k_chunks = self._chunks(k, level)  # (B, H, n_full, 2^l, D)
-            inner = (k_chunks * q_pool.unsqueeze(-2)).sum(-1).softmax(-1)  # (B, H, n_full, 2^l)
+            q_bar = q_pool[..., 0::2, :]
+            inner = (self._even_chunks(k, level) * q_bar.unsqueeze(-2)).sum(-1).softmax(-1)  # (B, H, n_even, 2^l)
             inner = attn.weight_dropout(inner)
-            self.k_bar.append(k_pool)
-            self.v_bar.append((inner.unsqueeze(-1) * self._chunks(v, level)).sum(-2))
+            self.k_bar.append(k_pool[..., 0::2, :])
+            self.v_bar.append((inner.unsqueeze(-1) * self._even_chunks(v, level)).sum(-2))
 
-    def _chunks(self, x: torch.Tensor, level: int) -> torch.Tensor:
-        """View of the full aligned chunks of size 2^level: (B, H, n_full, 2^level, ...)."""
+    def _even_chunks(self, x: torch.Tensor, level: int) -> torch.Tensor:
+        """Strided view of the even full chunks of size 2^level: (B, H, ceil(n_full / 2), 2^level, ...)."""
         n_full = self.length >> level
-        return x[..., : n_full << level, :].unflatten(-2, (n_full, 1 << level))
+        return x[..., : n_full << level, :].unflatten(-2, (n_full, 1 << level))[..., 0::2, :, :]
+
+    def _odd_chunks(self, x: torch.Tensor, level: int) -> torch.Tensor:
+        """Strided view of the odd full chunks: (B, H, n_full // 2, 2^level, ...) (dims after L kept)."""
+        size, n_pairs = 1 << level, (self.length >> level) // 2
+        return x[:, :, : n_pairs * 2 * size].unflatten(2, (n_pairs, 2 * size))[:, :, :, size:]
+
+    def _tail(self, level: int) -> slice | None:
+        """Positions after the last full chunk that read its summary (n_full odd), or None."""
+        n_full = self.length >> level
+        start = n_full << level
+        return slice(start, self.length) if n_full % 2 == 1 and start < self.length else None
 
     def logits(self) -> torch.Tensor:
-        """(B, H, L, levels) logits [previous token, level 1, ...]; masked slots hold finite junk."""
+        """(B, H, L, levels) logits [previous token, level 1, ...]; masked slots hold 0."""
         qs, k = self.qs, self.k
-        previous = torch.cat([torch.zeros_like(qs[..., :1, 0]), (qs[..., 1:, :] * k[..., :-1, :]).sum(-1)], -1)
-        columns = [previous]
+        logits = qs.new_zeros(*qs.shape[:-1], self.allowed.shape[-1])
+        logits[..., 1:, 0] = (qs[..., 1:, :] * k[..., :-1, :]).sum(-1)
         for level, k_bar in enumerate(self.k_bar, start=1):
-            n_full = self.length >> level
-            # chunk j reads chunk j - 1; chunk 0 reads a zero key (always masked)
-            k_prev = torch.cat([torch.zeros_like(k_bar[..., :1, :]), k_bar[..., :-1, :]], -2)
-            main = (self._chunks(qs, level) * k_prev.unsqueeze(-2)).sum(-1).flatten(-2)  # (B, H, n_full * 2^l)
-            columns.append(_with_tail(main, (qs[..., n_full << level :, :] * k_bar[..., -1:, :]).sum(-1), -1))
-        return torch.stack(columns, -1)
+            column = logits[..., level]  # (B, H, L) view
+            n_pairs = (self.length >> level) // 2
+            self._odd_chunks(column, level)[...] = (self._odd_chunks(qs, level) * k_bar[..., :n_pairs, None, :]).sum(-1)
+            tail = self._tail(level)
+            if tail is not None:
+                column[..., tail] = (qs[..., tail, :] * k_bar[..., -1:, :]).sum(-1)
+        return logits
 
     def output(self, weights: torch.Tensor) -> torch.Tensor:
         """Weights (B, H, L, levels) of [previous token, level 1, ...] -> their output part (B, H, L, Dv)."""
         v = self.v
-        previous = torch.cat([torch.zeros_like(v[..., :1, :]), v[..., :-1, :]], -2)
-        out = weights[..., 0:1] * previous
+        out = torch.zeros_like(v)
+        out[..., 1:, :] = weights[..., 1:, 0:1] * v[..., :-1, :]
         for level, v_bar in enumerate(self.v_bar, start=1):
-            n_full = self.length >> level
             w = weights[..., level]
-            v_prev = torch.cat([torch.zeros_like(v_bar[..., :1, :]), v_bar[..., :-1, :]], -2)
-            main = (w[..., : n_full << level].unflatten(-1, (n_full, 1 << level)).unsqueeze(-1) * v_prev.unsqueeze(-2)).flatten(-3, -2)
-            out = out + _with_tail(main, w[..., n_full << level :].unsqueeze(-1) * v_bar[..., -1:, :], -2)
+            n_pairs = (self.length >> level) // 2
+            self._odd_chunks(out, level)[...] += self._odd_chunks(w, level).unsqueeze(-1) * v_bar[..., :n_pairs, None, :]
+            tail = self._tail(level)
+            if tail is not None:
+                out[..., tail, :] += w[..., tail].unsqueeze(-1) * v_bar[..., -1:, :]
         return out

@@ -60,7 +60,8 @@ class LogitGroup:
     """
 
     def __init__(self, layout: str, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None):
-        self.layout, self.keys, self.values, self.mask = layout, keys, values, mask
+        # Contiguous operands: CPU bmm over strided batches copies matrix by matrix.
+        self.layout, self.keys, self.values, self.mask = layout, keys.contiguous(), values.contiguous(), mask
         self.width = keys.shape[-2]
 
     def logits(self, q_row: torch.Tensor, q_col: torch.Tensor) -> torch.Tensor:
@@ -73,8 +74,8 @@ class LogitGroup:
     def apply(self, weights: torch.Tensor) -> torch.Tensor:
         """Row-layout weights ``(B, H, n, m, w)`` -> output ``(B, H, n, m, D)``."""
         if self.layout == "row":
-            return weights @ self.values
-        return (weights.transpose(2, 3) @ self.values).transpose(2, 3)
+            return weights.contiguous() @ self.values
+        return (weights.transpose(2, 3).contiguous() @ self.values).transpose(2, 3)
 
 
 class PooledAxialAttention(Attention):
@@ -147,13 +148,13 @@ class PooledAxialAttention(Attention):
         return k_pool, probs @ v
 
     # -- fast path ------------------------------------------------------------------------------
-    def logit_groups(self, qr, kr, vr) -> tuple[list[LogitGroup], list[LogitGroup], list[LogitGroup]]:
-        """Direct, vertical and horizontal groups for row-layout q (scaled), k, v ``(B, H, n, m, D)``."""
+    def logit_groups(self, qr, qc, kr, vr) -> tuple[list[LogitGroup], list[LogitGroup], list[LogitGroup]]:
+        """Direct, vertical and horizontal groups for row-layout q (scaled), k, v ``(B, H, n, m, D)``
+        and the column-layout scaled queries ``qc`` ``(B, H, m, n, D)``."""
         n, m = qr.shape[2], qr.shape[3]
         device = qr.device
         rows, cols = torch.arange(n, device=device), torch.arange(m, device=device)
-        kc, vc = kr.transpose(2, 3), vr.transpose(2, 3)  # column layout (B, H, m, n, D)
-        qc = qr.transpose(2, 3)
+        kc, vc = (x.transpose(2, 3).contiguous() for x in (kr, vr))  # column layout (B, H, m, n, D)
         other_col = cols[None, :, None] != cols[None, None, :]  # (1, m[c], m[c']) query col vs region col
         if self.causal:
             earlier_row = rows[None, :, None] > rows[None, None, :]  # (1, n[r], n[r']) r' < r
@@ -203,8 +204,8 @@ class PooledAxialAttention(Attention):
         self.check_length(L)
         grid = Grid.of(L, self.block_size)
         qr, kr, vr = to_grid(self.scale(q), grid), to_grid(k, grid), to_grid(v, grid)
-        direct, vertical, horizontal = self.logit_groups(qr, kr, vr)
-        qc = qr.transpose(2, 3)
+        qc = qr.transpose(2, 3).contiguous()  # column layout (B, H, m, n, D)
+        direct, vertical, horizontal = self.logit_groups(qr, qc, kr, vr)
         if self.plans == "average":
             out = 0.5 * (self.joint_softmax(direct + vertical, qr, qc) + self.joint_softmax(direct + horizontal, qr, qc))
         else:

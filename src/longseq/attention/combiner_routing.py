@@ -26,8 +26,9 @@ For query i in segment g:
 Every j <= i is covered exactly once (own segment directly; an earlier j directly when it is in the
 query's cluster, else through the summary of its cluster), nothing later is covered, and all regions
 are non-empty for g >= 1 (segment 0 has no regions: they are masked). R(c, g) is the first g * M / K
-members of cluster c (members sorted by position), so its summary comes from running pools
-(``RegionSummary.prefix_*``) and one masked inner softmax per (cluster, segment).
+members of cluster c (members sorted by position), so its summary comes from pooling each
+(cluster, segment) chunk, a running pool over segments (max of maxes / mean of equal-size means) and
+one masked inner softmax per (cluster, segment) over the cluster's block.
 
 Cost per query: M + S direct logits + K summary logits; memory O(L (M + L/K + K)) plus O(L D) for the
 gathered cluster blocks, never L x L (``attention_matrix`` excepted). The clustering is not
@@ -231,7 +232,7 @@ class CombinerRoutingAttention(Attention):
         # direct, own cluster in earlier segments: slot queries x their cluster's block
         q_slot = qs.gather(2, slot_query.view(B, H, K * S, 1).expand(B, H, K * S, D)).view(B, H, K, S, D)
         cluster_allowed = (member_segment < (slot_query // M).unsqueeze(-1)) & slot_used.unsqueeze(-1)
-        cluster_logits = (q_slot @ k_blk.transpose(-1, -2)).masked_fill(~cluster_allowed, neg_inf)  # (B, H, K, S, S)
+        cluster_logits = (q_slot @ k_blk.transpose(-1, -2)).masked_fill_(~cluster_allowed, neg_inf)  # (B, H, K, S, S)
         # back to query order; overflow queries read an all -inf row
         cluster_logits = torch.cat([cluster_logits.view(B, H, K * S, S), cluster_logits.new_full((B, H, 1, S), neg_inf)], 2)
         cluster_logits = cluster_logits.gather(2, slot.unsqueeze(-1).expand(B, H, L, S))  # (B, H, L, S)
@@ -239,22 +240,22 @@ class CombinerRoutingAttention(Attention):
         # direct, own segment up to self
         q_seg, k_seg, v_seg = (x.view(B, H, n, M, D) for x in (qs, k, v))
         causal = torch.ones(M, M, dtype=torch.bool, device=device).tril()
-        segment_logits = (q_seg @ k_seg.transpose(-1, -2)).masked_fill(~causal, neg_inf)  # (B, H, n, M, M)
+        segment_logits = (q_seg @ k_seg.transpose(-1, -2)).masked_fill_(~causal, neg_inf)  # (B, H, n, M, M)
 
-        # summaries of R(c, g) = first g*M/K members of cluster c, for every segment g
-        last = (torch.arange(n, device=device) * per_segment - 1).clamp(min=0)  # last member of R(c, g)
-        q_bar = self.summary.prefix_queries(q_blk, 3).index_select(3, last)  # (B, H, K, n, D)
-        k_bar = self.summary.prefix_keys(k_blk, 3).index_select(3, last)
+        # summaries of R(c, g) = first g*M/K members of cluster c = its chunks of segments < g:
+        # pool each (cluster, segment) chunk, run the pool over segments, shift by one segment
+        q_bar = self._segment_prefix(self.summary.query_features(q_blk), n)  # (B, H, K, n, D)
+        k_bar = self._segment_prefix(self.summary.key_features(k_blk), n)
         inner_allowed = member_segment < torch.arange(n, device=device).unsqueeze(1)  # (n, S)
         inner_allowed[0] = True  # R(c, 0) is empty: its logit is masked below; keep this softmax finite
-        inner = (q_bar @ k_blk.transpose(-1, -2)).masked_fill(~inner_allowed, neg_inf).softmax(-1)
+        inner = (q_bar @ k_blk.transpose(-1, -2)).masked_fill_(~inner_allowed, neg_inf).softmax(-1)
         v_bar = (inner @ v_blk).transpose(2, 3)  # (B, H, n, K, D)
         summary_logits = q_seg @ k_bar.permute(0, 1, 3, 4, 2)  # (B, H, n, M, K)
         own_route = torch.where(routed, query_routes, K).view(B, H, n, M, 1)
         summary_allowed = (torch.arange(K, device=device) != own_route) & (
             torch.arange(n, device=device) > 0
         ).view(n, 1, 1)
-        summary_logits = summary_logits.masked_fill(~summary_allowed, neg_inf)
+        summary_logits = summary_logits.masked_fill_(~summary_allowed, neg_inf)
 
         # one joint softmax per query over [own cluster | own segment | summaries]
         logits = torch.cat([cluster_logits, segment_logits.view(B, H, L, M), summary_logits.view(B, H, L, K)], -1)
@@ -267,6 +268,26 @@ class CombinerRoutingAttention(Attention):
         out_slot = (w_slot.masked_fill(~slot_used.unsqueeze(-1), 0.0) @ v_blk).view(B, H, K * S, D)
         out_slot = torch.cat([out_slot, out_slot.new_zeros(B, H, 1, D)], 2)
         return out + out_slot.gather(2, slot.unsqueeze(-1).expand(B, H, L, D))
+
+    def _segment_prefix(self, features: torch.Tensor, n: int) -> torch.Tensor:
+        """Pool of each cluster's members in segments < g, for g = 0..n-1 (g = 0: a placeholder).
+
+        features: ``(B, H, K, S, D)`` featurized cluster blocks (S = n chunks of S/n members, one per
+        segment) -> ``(B, H, K, n, D)``.
+        """
+        B, H, K, S, D = features.shape
+        per_segment = S // n
+        if per_segment == 1:
+            chunks = features
+        else:
+            chunks = self.summary.reduce_over(features.view(B, H, K, n, per_segment, D), 4)  # (B, H, K, n, D)
+        if self.summary.reduce == "max":
+            # cummax along a contiguous last axis is markedly faster on CPU than along axis 3
+            running = torch.cummax(chunks.transpose(3, 4).contiguous(), 4).values.transpose(3, 4)
+        else:  # equal-size chunks: the mean of chunk means is the mean of their union
+            count = torch.arange(1, n + 1, device=chunks.device, dtype=chunks.dtype).view(n, 1)
+            running = chunks.cumsum(3) / count
+        return torch.cat([running[:, :, :, :1], running[:, :, :, :-1]], 3)
 
     # -- reference --------------------------------------------------------------------------------
     def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -289,3 +310,4 @@ class CombinerRoutingAttention(Attention):
 
     def extra_repr(self) -> str:
         return f"name={self.name}, causal={self.causal}, n_clusters={self.n_clusters}, block_size={self.block_size}"
+

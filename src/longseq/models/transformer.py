@@ -29,10 +29,15 @@ class MultiHeadAttention(nn.Module):
             name, seq_len=seq_len, n_heads=n_heads, head_dim=self.head_dim, dropout=attn_dropout, **spec
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``key_padding_mask`` (B, L) bool, True = padded key; only passed on when given, so variants
+        without padding support keep their plain ``(q, k, v)`` signature."""
         B, L, _ = x.shape
         q, k, v = self.qkv(x).view(B, L, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        y = self.attention(q, k, v)  # (B, H, L, D)
+        if key_padding_mask is None:
+            y = self.attention(q, k, v)  # (B, H, L, D)
+        else:
+            y = self.attention(q, k, v, key_padding_mask=key_padding_mask)
         return self.out(y.transpose(1, 2).reshape(B, L, -1))
 
 
@@ -51,8 +56,8 @@ class Block(nn.Module):
         )
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm1(x)))
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x), key_padding_mask))
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
@@ -134,14 +139,18 @@ class Transformer(nn.Module):
             return 0.0
         return self.pos[:length]
 
-    def features(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(B, L) tokens -> (B, L, d_model) final-norm hidden states."""
+    def features(self, tokens: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, L) tokens -> (B, L, d_model) final-norm hidden states.
+
+        ``key_padding_mask`` (B, L) bool, True = padding: no position attends to padded keys (the
+        attention must have ``supports_padding_mask``); padded positions still get (unused) states.
+        """
         if tokens.shape[1] > self.seq_len:
             raise ValueError(f"input length {tokens.shape[1]} exceeds task.seq_len={self.seq_len}")
         x = self.drop(self.token(tokens) + self.positions(tokens.shape[1]))
         for block in self.blocks:
-            x = block(x)
+            x = block(x, key_padding_mask)
         return self.norm(x)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(tokens))
+    def forward(self, tokens: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head(self.features(tokens, key_padding_mask))

@@ -1,0 +1,150 @@
+"""Performer / FAVOR+ (Choromanski et al. 2021): positive orthogonal random features, O(L m D).
+
+Softmax kernel (``kernel=softmax``): with ``x`` = q or k times ``D^(-1/4)`` (together the single 1/sqrt(D)),
+``phi(x) = m^(-1/2) exp(W x - |x|^2 / 2 - c)``, so ``E[phi(q) . phi(k)] ~ exp(q . k / sqrt(D))``.
+The stabilizer ``c`` is the row max for a query and the max over all keys of the (batch, head) for keys
+(detached); both are constant factors that cancel in the normalization. ``eps`` is added to the query
+features only: a per-key ``eps`` would not cancel and would let a later key's max leak into earlier
+causal outputs.
+ReLU kernel (``kernel=relu``, the "generalized attention" of the paper): ``phi(x) = relu(W x) + eps``.
+``W`` ``(m, D)`` is shared by all heads; with ``orthogonal=true`` it stacks ``D x D`` blocks made
+orthogonal by QR of Gaussian matrices, rows rescaled to chi(D)-distributed norms (``row_norms=chi``,
+the norms of Gaussian rows) or to sqrt(D) (``row_norms=fixed``).
+
+Output ``D^-1 phi(Q) [phi(K)^T V]``, normalized per query (all features are strictly positive, so rows of
+``attention_matrix`` sum to 1); causal through chunked prefix sums (``prefix_sums``), never the
+``(B, H, L, m, D)`` tensor. No explicit weights in the fast path, so ``dropout`` is not applied.
+
+Randomness: ``W`` is a buffer drawn from ``(seed, draws)``; in training, every ``redraw_interval``
+forward calls (counted in the ``calls`` buffer, training only) the next draw replaces it. ``W``, ``calls``
+and ``draws`` are in the state dict, so a checkpoint round trip restores the same features and redraw
+schedule. ``redraw_interval=0`` never redraws.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from longseq.attention.base import Attention, AttentionConfigError
+from longseq.attention.prefix_sums import causal_kernel_attention, kernel_attention, kernel_weights
+from longseq.attention.registry import register_attention
+
+KERNELS = ("softmax", "relu")
+ROW_NORMS = ("chi", "fixed")
+
+
+def random_features(
+    n_features: int, dim: int, generator: torch.Generator, orthogonal: bool = True, row_norms: str = "chi"
+) -> torch.Tensor:
+    """``(n_features, dim)`` fp64 Gaussian projection; orthogonal blocks + chi/fixed row norms if asked."""
+    if not orthogonal:
+        return torch.randn(n_features, dim, generator=generator, dtype=torch.float64)
+    gaussian = torch.randn(math.ceil(n_features / dim), dim, dim, generator=generator, dtype=torch.float64)
+    q, r = torch.linalg.qr(gaussian)  # batched over the D x D blocks
+    # sign-fix so the columns are uniformly distributed (Householder QR fixes the signs of diag(R),
+    # which would bias every feature direction and hence the kernel estimate)
+    q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)
+    w = q.transpose(-1, -2).reshape(-1, dim)[:n_features]  # unit rows, orthogonal within a block
+    if row_norms == "chi":
+        norms = torch.randn(n_features, dim, generator=generator, dtype=torch.float64).norm(dim=-1)
+    else:
+        norms = torch.full((n_features,), math.sqrt(dim), dtype=torch.float64)
+    return w * norms.unsqueeze(-1)
+
+
+@register_attention("performer")
+class PerformerAttention(Attention):
+    """FAVOR+ random-feature attention (see the module docstring).
+
+    Args:
+        n_features: m, number of random features (lucidrains default d ln d; LRA/xformers 256).
+        kernel: ``softmax`` (positive random features) or ``relu`` (generalized attention).
+        orthogonal: orthogonal random features (FAVOR+) instead of i.i.d. Gaussian rows.
+        row_norms: ``chi`` (Gaussian-like norms) or ``fixed`` (sqrt(D)); only with ``orthogonal``.
+        redraw_interval: redraw W every this many training forward calls (0 = never).
+        feature_eps: added to query features (softmax) / all features (relu) for positivity; None = 1e-4 (softmax) / 1e-3 (relu, as in LRA).
+        chunk_size: causal prefix-sum chunk length.
+        seed: seeds every draw of W.
+    """
+
+    def __init__(
+        self,
+        *,
+        causal: bool,
+        head_dim: int | None = None,
+        n_features: int = 256,
+        kernel: str = "softmax",
+        orthogonal: bool = True,
+        row_norms: str = "chi",
+        redraw_interval: int = 1000,
+        feature_eps: float | None = None,
+        chunk_size: int = 64,
+        seed: int = 0,
+        **common,
+    ) -> None:
+        if kernel not in KERNELS:
+            raise AttentionConfigError(f"attention.kernel must be one of {KERNELS}, got {kernel!r}")
+        if row_norms not in ROW_NORMS:
+            raise AttentionConfigError(f"attention.row_norms must be one of {ROW_NORMS}, got {row_norms!r}")
+        if not isinstance(n_features, int) or n_features < 1:
+            raise AttentionConfigError(f"attention.n_features must be a positive integer, got {n_features!r}")
+        if not isinstance(redraw_interval, int) or redraw_interval < 0:
+            raise AttentionConfigError(f"attention.redraw_interval must be an integer >= 0, got {redraw_interval!r}")
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise AttentionConfigError(f"attention.chunk_size must be a positive integer, got {chunk_size!r}")
+        if head_dim is None:
+            raise AttentionConfigError("attention 'performer' needs head_dim (model.d_model / model.n_heads) to draw its features")
+        super().__init__(causal=causal, head_dim=head_dim, **common)
+        self.n_features, self.kernel, self.orthogonal, self.row_norms = n_features, kernel, bool(orthogonal), row_norms
+        self.redraw_interval, self.chunk_size, self.seed = redraw_interval, chunk_size, int(seed)
+        self.feature_eps = float(feature_eps if feature_eps is not None else (1e-4 if kernel == "softmax" else 1e-3))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("draws", torch.zeros((), dtype=torch.long))
+        self.register_buffer("projection", self._draw(0).to(torch.get_default_dtype()))
+
+    def _draw(self, index: int) -> torch.Tensor:
+        """Draw number ``index`` of W ``(m, D)``, fp64, a pure function of ``(seed, index)``."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        return random_features(self.n_features, self.head_dim, g, self.orthogonal, self.row_norms)
+
+    @torch.no_grad()
+    def redraw(self) -> None:
+        """Replace W by the next draw."""
+        self.draws += 1
+        self.projection.copy_(self._draw(int(self.draws)).to(self.projection))
+
+    def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        """Random features ``(B, H, L, m)`` of unscaled queries or keys ``(B, H, L, D)``."""
+        x = x * x.shape[-1] ** -0.25
+        projected = x @ self.projection.to(x.dtype).T  # (B, H, L, m)
+        if self.kernel == "relu":
+            return F.relu(projected) + self.feature_eps
+        exponent = projected - 0.5 * (x * x).sum(-1, keepdim=True)
+        if is_query:
+            # per-query constant; eps keeps every query feature positive
+            stabilizer = exponent.amax(-1, keepdim=True).detach()
+            return (torch.exp(exponent - stabilizer) + self.feature_eps) * self.n_features**-0.5
+        # one constant per (batch, head): it cancels exactly in the normalization, also when causal
+        # (no eps here, which would break that cancellation; the largest key feature is 1)
+        stabilizer = exponent.amax((-2, -1), keepdim=True).detach()
+        return torch.exp(exponent - stabilizer) * self.n_features**-0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.training and self.redraw_interval > 0:
+            if int(self.calls) > 0 and int(self.calls) % self.redraw_interval == 0:
+                self.redraw()
+            self.calls += 1
+        phi_q, phi_k = self.features(q, True), self.features(k, False)
+        if self.causal:
+            return causal_kernel_attention(phi_q, phi_k, v, self.chunk_size)
+        return kernel_attention(phi_q, phi_k, v)
+
+    def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return kernel_weights(self.features(q, True), self.features(k, False), self.causal)
+
+    def extra_repr(self) -> str:
+        return (f"name={self.name}, causal={self.causal}, kernel={self.kernel}, n_features={self.n_features}, "
+                f"redraw_interval={self.redraw_interval}")

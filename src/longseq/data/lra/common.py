@@ -1,0 +1,140 @@
+"""Shared plumbing of the LRA datamodules: in-memory examples, padding collate, global-batch arithmetic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from longseq.data.batching import per_device_batch_size
+
+PAD_ID = 0  # LRA pads with token id 0; byte and symbol vocabularies start at 1
+SPLITS = ("train", "val", "test")
+
+
+def encode_bytes(text: str | bytes, max_length: int) -> np.ndarray:
+    """UTF-8 bytes of ``text`` as ids ``byte + 1`` (0 is padding), truncated to ``max_length``."""
+    raw = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+    return np.frombuffer(raw[:max_length], dtype=np.uint8).astype(np.int16) + 1
+
+
+BYTE_VOCAB_SIZE = 257  # PAD + 256 byte values
+
+
+class Examples(Dataset):
+    """Classification examples held in memory: ``fields`` are lists of 1-D int arrays (one or two documents
+    per example, any length up to ``max_length``) and ``labels`` an int array."""
+
+    def __init__(self, fields: Sequence[Sequence[np.ndarray]], labels: np.ndarray) -> None:
+        if any(len(f) != len(labels) for f in fields):
+            raise ValueError("every field needs one entry per label")
+        self.fields, self.labels = [list(f) for f in fields], np.asarray(labels, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple:
+        return (*(f[i] for f in self.fields), int(self.labels[i]))
+
+
+class PadCollate:
+    """Stack a batch, padding every document to the FIXED ``max_length`` with ``PAD_ID``.
+
+    A fixed length (not the batch maximum) because block-structured attentions are built for one length.
+    Returns ``(tokens (B, max_length) long, ..., labels (B,) long)``.
+    """
+
+    def __init__(self, max_length: int) -> None:
+        self.max_length = max_length
+
+    def __call__(self, batch: list[tuple]) -> tuple[torch.Tensor, ...]:
+        *docs, labels = zip(*batch)
+        out = []
+        for column in docs:
+            tokens = torch.full((len(column), self.max_length), PAD_ID, dtype=torch.long)
+            for row, doc in enumerate(column):
+                n = min(len(doc), self.max_length)
+                tokens[row, :n] = torch.as_tensor(np.asarray(doc[:n], dtype=np.int64))
+            out.append(tokens)
+        return (*out, torch.tensor(labels, dtype=torch.long))
+
+
+class LraDataModule(L.LightningDataModule):
+    """Base class: subclasses implement ``load_split(split) -> Examples`` (split = train / val / test).
+
+    Args:
+        root: folder laid out like the LRA release (``<root>/listops-1000/``, ``<root>/tsv_data/``, ...).
+        max_length: tokens per document after truncation; batches are padded to exactly this length.
+        batch_size: GLOBAL batch size, divided over devices and gradient accumulation in ``setup``.
+        accumulate_grad_batches: the trainer's accumulation (for the per-device batch).
+        num_workers: DataLoader workers.
+        seed: seed of anything the datamodule draws itself.
+        eval_batch_size: global batch for validation/test (defaults to ``batch_size``).
+        limit: keep at most this many examples per split (smoke runs); ``None`` keeps all.
+    """
+
+    num_classes: int = 2
+    vocab_size: int = BYTE_VOCAB_SIZE
+
+    def __init__(self, root: str = "data/lra", max_length: int = 1024, batch_size: int = 32,
+                 accumulate_grad_batches: int = 1, num_workers: int = 0, seed: int = 0,
+                 eval_batch_size: int | None = None, limit: int | None = None) -> None:
+        super().__init__()
+        self.root = Path(root).expanduser()
+        self.max_length = int(max_length)
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.accumulate_grad_batches = accumulate_grad_batches
+        self.num_workers = num_workers
+        self.seed = seed
+        self.limit = limit
+        self.datasets: dict[str, Examples] = {}
+
+    def load_split(self, split: str) -> Examples:
+        raise NotImplementedError
+
+    def missing(self, path: Path, what: str) -> FileNotFoundError:
+        """The error raised when a released file is absent: says where it goes and how to generate it."""
+        return FileNotFoundError(
+            f"{what} not found at {path}. Place the LRA release there (lra_release/ from "
+            "https://storage.googleapis.com/long-range-arena/lra_release.gz, so that task.data.root holds "
+            "listops-1000/, tsv_data/, pathfinder32/), set task.data.root=<that folder>, or generate a local "
+            "(non-released) copy: make data-lra / python -m longseq.data.lra.prepare --root <folder>"
+        )
+
+    def setup(self, stage: str | None = None) -> None:
+        world = self.trainer.world_size if self.trainer is not None else 1
+        self.device_batch = per_device_batch_size(self.batch_size, world, self.accumulate_grad_batches)
+        self.device_eval_batch = per_device_batch_size(self.eval_batch_size, world, 1, key="task.data.eval_batch_size")
+        for split in SPLITS:
+            if split not in self.datasets:
+                examples = self.load_split(split)
+                if self.limit is not None and len(examples) > self.limit:
+                    examples = Examples([f[: self.limit] for f in examples.fields], examples.labels[: self.limit])
+                if len(examples) == 0:
+                    raise ValueError(f"{type(self).__name__}: split '{split}' is empty (task.data.root={self.root})")
+                self.datasets[split] = examples
+
+    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+        return DataLoader(
+            self.datasets[split],
+            batch_size=self.device_batch if split == "train" else self.device_eval_batch,
+            shuffle=shuffle,
+            drop_last=shuffle,
+            collate_fn=PadCollate(self.max_length),
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", shuffle=False)

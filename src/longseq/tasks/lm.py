@@ -1,0 +1,112 @@
+"""Causal language modeling over token streams: bits per character (enwik8, text8) or perplexity.
+
+Both numbers come from one summed NLL: ``nll = sum / scored tokens`` (nats), ``bpc = nll / ln 2``,
+``ppl = exp(nll)``. Padded targets (``IGNORE_INDEX``) are never scored; the count of scored tokens is
+logged next to the metric (``val/tokens``, ``test/tokens``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torchmetrics import MinMetric, SumMetric
+
+from longseq.data.text import IGNORE_INDEX
+from longseq.tasks.base import SequenceTask, to_dict
+from longseq.tasks.metrics import MeanNLL
+
+METRICS = ("bpc", "ppl")
+
+
+def from_nll(nll: torch.Tensor, metric: str) -> torch.Tensor:
+    """Mean NLL in nats -> bits per character/byte (``bpc``) or perplexity (``ppl``)."""
+    return nll / math.log(2.0) if metric == "bpc" else torch.exp(nll)
+
+
+def text_model_config(model: dict) -> dict:
+    """The backbone config for 1-D text: the image (row/column/channel) position table has no meaning
+    here, so ``pos_emb=image`` (the default of ``model=transformer``) becomes the learned 1-D table."""
+    model = dict(to_dict(model))
+    if model.get("pos_emb") == "image":
+        model["pos_emb"] = "learned"
+    return model
+
+
+class TokenLossTask(SequenceTask):
+    """Shared by causal LM and MLM: cross-entropy over non-ignored targets, split metrics, best-so-far.
+
+    Batches are ``(inputs, targets)`` of shape ``(B, L)``; subclasses set ``metric`` (``bpc`` / ``ppl``).
+    Logs ``train/loss``, ``val/<metric>``, ``val/<metric>_best``, ``val/nll``, ``val/tokens`` and the same
+    under ``test/``.
+    """
+
+    def __init__(self, model: dict, attention: dict, optimizer: dict, scheduler: dict | None,
+                 vocab_size: int, seq_len: int, metric: str) -> None:
+        if metric not in METRICS:
+            raise ValueError(f"task.module.metric={metric!r} is not valid; choose one of {METRICS}")
+        super().__init__(text_model_config(model), attention, optimizer, scheduler, vocab_size=vocab_size,
+                         seq_len=seq_len)
+        self.metric, self.vocab_size = metric, vocab_size
+        self.nll = torch.nn.ModuleDict({split: MeanNLL() for split in ("val", "test")})
+        self.tokens = torch.nn.ModuleDict({split: SumMetric() for split in ("val", "test")})
+        self.best = MinMetric()
+
+    def nll_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed NLL (nats) over the scored targets, and their count."""
+        logits = self.net(inputs)
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                              ignore_index=IGNORE_INDEX, reduction="sum")
+        return nll, (targets != IGNORE_INDEX).sum()
+
+    def training_step(self, batch, batch_idx):
+        nll, count = self.nll_sum(*batch)
+        loss = nll / count.clamp(min=1)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log(f"train/{self.metric}", from_nll(loss.detach(), self.metric), prog_bar=True)
+        return loss
+
+    def evaluation_step(self, split: str, batch) -> None:
+        nll, count = self.nll_sum(*batch)
+        self.nll[split].update(nll, count)
+        self.tokens[split].update(count)
+
+    def log_split(self, split: str) -> torch.Tensor:
+        """Log ``<split>/<metric>``, ``<split>/nll``, ``<split>/tokens`` (already reduced over ranks)."""
+        nll, tokens = self.nll[split].compute(), self.tokens[split].compute()
+        self.nll[split].reset()
+        self.tokens[split].reset()
+        value = from_nll(nll, self.metric)
+        self.log(f"{split}/{self.metric}", value, prog_bar=True, sync_dist=False)
+        self.log(f"{split}/nll", nll, sync_dist=False)
+        self.log(f"{split}/tokens", tokens.float(), sync_dist=False)
+        return value
+
+    def validation_step(self, batch, batch_idx):
+        self.evaluation_step("val", batch)
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            self.nll["val"].reset()
+            self.tokens["val"].reset()
+            return
+        self.best(self.log_split("val"))
+        self.log(f"val/{self.metric}_best", self.best.compute(), prog_bar=True)
+
+    def test_step(self, batch, batch_idx):
+        self.evaluation_step("test", batch)
+
+    def on_test_epoch_end(self) -> None:
+        self.log_split("test")
+
+
+class CausalLMTask(TokenLossTask):
+    """Next-token prediction with causal attention; ``targets`` are the inputs shifted by one (see
+    ``longseq.data.text``). ``metric``: ``bpc`` (bytes / characters) or ``ppl`` (words, pieces)."""
+
+    requires_causal = True
+
+    def __init__(self, model: dict, attention: dict, optimizer: dict, scheduler: dict | None,
+                 vocab_size: int, seq_len: int, metric: str = "ppl") -> None:
+        super().__init__(model, attention, optimizer, scheduler, vocab_size, seq_len, metric)
