@@ -19,7 +19,7 @@ from attention_checks import (
 )
 from longseq.attention import AttentionConfigError, build_attention
 from longseq.attention.nystrom import iterative_pinv
-from longseq.attention.prefix_sums import causal_kernel_attention, kernel_weights
+from longseq.attention.prefix_sums import causal_kernel_attention, kernel_attention, kernel_weights
 
 H, D = 2, 8
 COMMON = dict(n_heads=H, head_dim=D)
@@ -267,13 +267,22 @@ def test_performer_orthogonal_blocks():
 # -- pieces ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("shift", [0.0, 0.3])
 @pytest.mark.parametrize("L,chunk", [(16, 4), (17, 4), (5, 8), (16, 1), (16, 16)])
-def test_causal_prefix_sums_any_length_and_chunk(L, chunk):
+def test_prefix_sums_any_length_and_chunk(L, chunk, shift):
     g = torch.Generator().manual_seed(1)
     phi_q, phi_k = (torch.rand(2, 3, L, 6, generator=g, dtype=torch.float64) + 0.1 for _ in range(2))
     v = torch.randn(2, 3, L, 5, generator=g, dtype=torch.float64)
-    expected = kernel_weights(phi_q, phi_k, causal=True) @ v
-    torch.testing.assert_close(causal_kernel_attention(phi_q, phi_k, v, chunk), expected, atol=1e-12, rtol=0)
+    for causal in (True, False):
+        dense = ((phi_q + shift) @ phi_k.transpose(-1, -2)).tril(0 if causal else L)
+        expected = (dense / dense.sum(-1, keepdim=True)) @ v
+        torch.testing.assert_close((kernel_weights(phi_q, phi_k, causal, shift) @ v), expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(causal_kernel_attention(phi_q, phi_k, v, chunk, shift), expected_causal(phi_q, phi_k, v, shift), atol=1e-12, rtol=0)
+    torch.testing.assert_close(kernel_attention(phi_q, phi_k, v, shift), kernel_weights(phi_q, phi_k, False, shift) @ v, atol=1e-12, rtol=0)
+
+
+def expected_causal(phi_q, phi_k, v, shift):
+    return kernel_weights(phi_q, phi_k, True, shift) @ v
 
 
 def test_fnet_two_dimensional_dft():

@@ -1,5 +1,6 @@
 """Transformer-XL (relative attention, recurrence memory, adaptive softmax) and TRAMS memory selection:
-exact-equality checks from reference/transformer_xl_trams.md section 3.7, tiny sizes, fp64 where exactness matters."""
+exact-equality checks from reference/transformer_xl_trams.md section 3.7; tiny sizes, fp64 where exactness
+matters ("exact" = equal to 1e-12 in fp64: the paths differ only in matmul shapes / memory layout)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,15 @@ from longseq.tasks.xl_lm import IGNORE_INDEX, StreamSegments
 VOCAB, D_MODEL, HEADS, D_HEAD = 23, 16, 2, 8
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny fp64 ops: thread start-up dominates on a loaded 2-core machine (seconds instead of ms)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_xl(pre_lnorm: bool = False, cutoffs=(), seed: int = 0) -> TransformerXL:
     torch.manual_seed(seed)
     model = TransformerXL(VOCAB, n_layers=2, d_model=D_MODEL, n_heads=HEADS, d_inner=32, d_head=D_HEAD,
@@ -25,7 +35,8 @@ def tiny_xl(pre_lnorm: bool = False, cutoffs=(), seed: int = 0) -> TransformerXL
     return model.double().eval()
 
 
-def run_stream(model: TransformerXL, tokens: torch.Tensor, seg: int, spec: MemorySpec, stats: dict | None = None):
+def run_stream(model: TransformerXL, tokens: torch.Tensor, seg: int, spec: MemorySpec,
+               stats: dict | None = None) -> torch.Tensor:
     """Segment-by-segment hidden states over ``tokens (B, T)`` with carried memory -> ``(B, T, d)``."""
     mems, out = None, []
     for start in range(0, tokens.shape[1], seg):
@@ -84,6 +95,13 @@ def test_rel_shift_equals_distance_gather():
             assert shifted[:, :, i, j].equal(raw[:, :, i, K - 1 - distance])
 
 
+def test_sinusoid_table_is_sin_half_then_cos_half():
+    table = sinusoid_embedding(torch.tensor([0.0, 3.0]), 8)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    exact(table[1], torch.cat([(3 * inv_freq).sin(), (3 * inv_freq).cos()]))
+    exact(table[0], torch.tensor([0.0] * 4 + [1.0] * 4, dtype=torch.float64))
+
+
 def test_attention_mask_causal_and_same_length():
     mask = attention_mask(3, 7, mem_len=4, same_length=False)
     assert (~mask[:, :4]).all() and mask[0, 5:].all() and not mask[2].any()
@@ -92,7 +110,8 @@ def test_attention_mask_causal_and_same_length():
     assert same[0, 0] and same[1, :2].all() and not same[1, 2:6].any()
 
 
-def brute_force_layer(layer: RelMultiHeadAttention, x, mem, u, v, keep, compressed: bool, clamp_len: int = -1):
+def brute_force_layer(layer: RelMultiHeadAttention, x, mem, u, v, keep, compressed: bool,
+                      clamp_len: int = -1) -> torch.Tensor:
     """The attention layer computed from explicit per-pair distances: keys outside ``keep (B, H, K)`` are
     hidden; ``compressed`` counts positions over the kept keys only, else true positions."""
     q, k, val = layer.project(x, mem)
@@ -142,7 +161,8 @@ def test_relative_attention_matches_brute_force(clamp_len):
     K = mem.shape[1] + x.shape[1]
     out = layer(x, mem, layer_pos_emb(K, clamp_len), u, v, MemorySpec(mem.shape[1], clamp_len=clamp_len))
     keep = torch.ones(2, HEADS, K, dtype=torch.bool)
-    torch.testing.assert_close(out, brute_force_layer(layer, x, mem, u, v, keep, False, clamp_len), rtol=0, atol=1e-10)
+    expected = brute_force_layer(layer, x, mem, u, v, keep, False, clamp_len)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
 
 
 # ---------------------------------------------------------------------------------------------- TRAMS
@@ -202,7 +222,8 @@ def test_trams_recent_only_equals_xl_with_m(mem_init, positions):
     tokens = torch.randint(0, VOCAB, (2, 40))
     m, pool = 6, 16
     xl = run_stream(model, tokens, 4, MemorySpec(m, mem_init))
-    trams = run_stream(model, tokens, 4, MemorySpec(pool, mem_init, trams=TramsSpec(m, 0, positions=positions)))
+    recent_only = TramsSpec(m, 0, positions=positions)
+    trams = run_stream(model, tokens, 4, MemorySpec(pool, mem_init, trams=recent_only))
     exact(trams, xl)
 
 
@@ -213,7 +234,8 @@ def test_trams_selecting_every_candidate_equals_xl_with_pool(mem_init):
     pool, recent = 16, 5
     stats = {"selected": []}
     xl = run_stream(model, tokens, 4, MemorySpec(pool, mem_init))
-    trams = run_stream(model, tokens, 4, MemorySpec(pool, mem_init, trams=TramsSpec(recent, pool - recent)), stats)
+    select_all = TramsSpec(recent, pool - recent)
+    trams = run_stream(model, tokens, 4, MemorySpec(pool, mem_init, trams=select_all), stats)
     assert stats["selected"], "the selection path never ran"
     exact(trams, xl)
 
@@ -230,7 +252,8 @@ def test_trams_selection_changes_the_output_and_keeps_the_pool_fifo():
             exact(new[0], torch.cat([mems[0], inputs[0]], 1)[:, -16:])
         mems = new
     assert mems[0].shape == (2, 16, D_MODEL)
-    assert not torch.allclose(run_stream(model, tokens, 4, spec), run_stream(model, tokens, 4, MemorySpec(16)))
+    plain = run_stream(model, tokens, 4, MemorySpec(16))
+    assert not torch.allclose(run_stream(model, tokens, 4, spec), plain)
 
 
 def test_kept_indices_topk_zero_keeps_the_recent_block():
@@ -259,7 +282,8 @@ def test_memory_gradients_stop_at_the_segment_boundary():
     assert all(not m.requires_grad for m in mems)
 
 
-def stream_eval(model, stream: np.ndarray, n_streams: int, seg: int, spec: MemorySpec, protocol="xl_next_token"):
+def stream_eval(model, stream: np.ndarray, n_streams: int, seg: int, spec: MemorySpec,
+                protocol: str = "xl_next_token"):
     """Summed NLL and scored-token count of a streaming evaluation (what XLLanguageModel does)."""
     mems, total, count = None, torch.zeros((), dtype=torch.float64), 0
     for inputs, targets in StreamSegments(stream, n_streams, seg, loss_protocol=protocol):

@@ -141,6 +141,29 @@ class Attention(nn.Module):
         return f"name={self.name}, causal={self.causal}"
 
 
+PADDING_PENALTY = 1.0e4  # logit offset of padded keys: exp(-1e4) is exactly 0 in fp32, and 1e4 fits fp16
+
+
+def append_padding_channel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           key_padding_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Key padding for any variant whose weights are ``softmax(q k^T / sqrt(D))`` over a fixed pattern.
+
+    Appends one channel so that the variant's own scaled logits become ``q.k / sqrt(D) - PADDING_PENALTY * pad_j``:
+    q' = [q * sqrt((D+1)/D), sqrt(D+1)], k' = [k, -PADDING_PENALTY * pad], v' = [v, 0]. After the variant's
+    1/sqrt(D+1) scaling the first D channels give exactly ``q.k / sqrt(D)``. Padded keys then get zero weight
+    in every row that has a real key; a row whose allowed keys are all padded keeps its unpadded weights (all
+    logits shift equally). Drop the last output channel: ``variant(q', k', v')[..., :-1]``.
+    q, k, v (B, H, L, D), key_padding_mask (B, L) bool (True = pad) -> (B, H, L, D + 1) each.
+    """
+    D = q.shape[-1]
+    pad = key_padding_mask.to(k.dtype)[:, None, :, None].expand(*k.shape[:-1], 1)
+    q_extra = torch.full_like(q[..., :1], math.sqrt(D + 1))
+    q2 = torch.cat([q * math.sqrt((D + 1) / D), q_extra], dim=-1)
+    k2 = torch.cat([k, -PADDING_PENALTY * pad], dim=-1)
+    v2 = torch.cat([v, torch.zeros_like(v[..., :1])], dim=-1)
+    return q2, k2, v2
+
+
 def divisors(n: int) -> list[int]:
     """All positive divisors of ``n`` (used in error messages listing valid block sizes)."""
     return [d for d in range(1, n + 1) if n % d == 0]

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from longseq.attention.base import Attention, AttentionConfigError
@@ -127,6 +128,101 @@ def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 # Row-major Combiner-Axial.
 # ------------------------------------------------------------------------------------------------
+class _RowColumnJointAttention(torch.autograd.Function):
+    """Exact joint softmax over own-row keys (row layout) and per-column summaries (column layout).
+
+    Forward and backward are written out so that no ``(..., m + n)`` concatenation, split or
+    transposed logit copy is ever made: both logit blocks stay in the layout their batched matmul
+    produces, share one max and one normaliser (``w = exp(s - M) / Z``, ``M`` the max over both
+    blocks, ``Z`` the sum over both) and are exponentiated in place. Every bmm operand is contiguous
+    or a plain last-two-axes transpose, which CPU BLAS consumes without copies.
+
+    Inputs: ``q_row, k_row, v_row`` ``(B, H, n, m, D)`` (q scaled); ``q_col, sk_col, sv_col``
+    ``(B, H, m, n, D)`` (query, summary key and summary value of row r' seen from column c);
+    ``direct_blocked`` ``(m, m)`` or None and ``summary_blocked`` ``(n, n)`` bool, True = masked.
+    Output ``(B, H, n, m, D)``.
+    """
+
+    @staticmethod
+    def forward(ctx, q_row, k_row, v_row, q_col, sk_col, sv_col, direct_blocked, summary_blocked):
+        direct = q_row @ k_row.transpose(-1, -2)  # (B,H,n,m[c],m[c'])
+        if direct_blocked is not None:
+            direct.masked_fill_(direct_blocked, NEG_INF)
+        summary = q_col @ sk_col.transpose(-1, -2)  # (B,H,m[c],n[r],n[r'])
+        summary.masked_fill_(summary_blocked, NEG_INF)
+        # Shared max: own-row direct keys always include self, so it is finite for every query.
+        top = torch.maximum(direct.amax(-1), summary.amax(-1).transpose(-1, -2))  # (B,H,n,m)
+        direct.sub_(top.unsqueeze(-1)).exp_()
+        summary.sub_(top.transpose(-1, -2).unsqueeze(-1)).exp_()
+        inv_total = (direct.sum(-1) + summary.sum(-1).transpose(-1, -2)).reciprocal_()  # (B,H,n,m)
+        direct.mul_(inv_total.unsqueeze(-1))
+        summary.mul_(inv_total.transpose(-1, -2).unsqueeze(-1))
+        out = direct @ v_row
+        out.add_((summary @ sv_col).transpose(2, 3))
+        ctx.save_for_backward(q_row, k_row, v_row, q_col, sk_col, sv_col, direct, summary, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q_row, k_row, v_row, q_col, sk_col, sv_col, direct, summary, out = ctx.saved_tensors
+        grad_row = grad_out.contiguous()  # (B,H,n,m,D); zero-stride grads would push bmm off BLAS
+        grad_col = grad_row.transpose(2, 3).contiguous()  # (B,H,m,n,D)
+        # Softmax backward on the joint weights: dS = W * (dW - <dO, out>).
+        row_dot = (grad_row * out).sum(-1)  # (B,H,n,m)
+        grad_v_row = direct.transpose(-1, -2) @ grad_row
+        grad_sv_col = summary.transpose(-1, -2) @ grad_col
+        grad_direct = (grad_row @ v_row.transpose(-1, -2)).sub_(row_dot.unsqueeze(-1)).mul_(direct)
+        grad_summary = (grad_col @ sv_col.transpose(-1, -2)).sub_(row_dot.transpose(-1, -2).unsqueeze(-1)).mul_(summary)
+        grad_q_row = grad_direct @ k_row
+        grad_q_col = grad_summary @ sk_col
+        grad_k_row = grad_direct.transpose(-1, -2) @ q_row
+        grad_sk_col = grad_summary.transpose(-1, -2) @ q_col
+        return grad_q_row, grad_k_row, grad_v_row, grad_q_col, grad_sk_col, grad_sv_col, None, None
+
+
+class _CausalRowColumnFlash(torch.autograd.Function):
+    """Causal joint softmax from two fused CPU flash-attention calls merged by their log-sum-exps.
+
+    Own-row keys (causal inside the row) and the summaries of strictly earlier rows seen from the
+    query's column are two causal attentions: rows folded into heads ``(BH, n, m, D)``, and columns
+    folded into heads ``(BH, m, n - 1, D)`` with queries of rows ``1..n-1`` against summaries of rows
+    ``0..n-2`` (row r may use r' < r, i.e. ``r' <= r - 1``: plain ``is_causal``). The two parts are
+    merged exactly by their log-sum-exps; the backward calls the flash backward of each part with the
+    JOINT output and log-sum-exp, which is exactly the joint softmax's gradient restricted to that
+    part. CPU only (the ``_for_cpu`` kernels return the log-sum-exp that public SDPA hides).
+
+    Inputs: ``q_row, k_row, v_row`` ``(BH, n, m, D)`` (q scaled); ``q_col`` ``(BH, m, n - 1, D)``
+    (queries of rows >= 1), ``sk_col, sv_col`` ``(BH, m, n - 1, D)`` (summaries of rows <= n - 2).
+    Output ``(BH, n, m, D)``.
+    """
+
+    @staticmethod
+    def forward(ctx, q_row, k_row, v_row, q_col, sk_col, sv_col):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        out_direct, lse_direct = flash(q_row, k_row, v_row, 0.0, True, scale=1.0)  # lse (BH, n, m)
+        out_summary, lse_summary = flash(q_col, sk_col, sv_col, 0.0, True, scale=1.0)  # lse (BH, m, n-1)
+        lse_summary = lse_summary.transpose(1, 2)  # (BH, n-1[r>=1], m)
+        lse = lse_direct.clone()
+        lse[:, 1:] = torch.logaddexp(lse_direct[:, 1:], lse_summary)
+        out = out_direct.mul_((lse_direct - lse).exp_().unsqueeze(-1))
+        out[:, 1:] += out_summary.transpose(1, 2) * (lse_summary - lse[:, 1:]).exp_().unsqueeze(-1)
+        ctx.save_for_backward(q_row, k_row, v_row, q_col, sk_col, sv_col, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q_row, k_row, v_row, q_col, sk_col, sv_col, out, lse = ctx.saved_tensors
+        flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        grad_out = grad_out.contiguous()
+        grads_row = flash_backward(grad_out, q_row, k_row, v_row, out, lse, 0.0, True, scale=1.0)
+        in_columns = [x[:, 1:].transpose(1, 2).contiguous() for x in (grad_out, out, lse.unsqueeze(-1))]
+        grads_col = flash_backward(
+            in_columns[0], q_col, sk_col, sv_col, in_columns[1], in_columns[2].squeeze(-1), 0.0, True, scale=1.0
+        )
+        return (*grads_row, *grads_col)
+
+
+# ------------------------------------------------------------------------------------------------
 @register_attention("combiner_axial")
 class CombinerAxialRowMajor(Attention):
     """Row-major Combiner-Axial (see module docstring); cost ``O(L (n + m) D)``, memory ``O(L (n + m))``.
@@ -189,6 +285,8 @@ class CombinerAxialRowMajor(Attention):
         grid = Grid.of(L, self.block_size)
         n, m = grid.n_rows, grid.n_cols
         qr, kr, vr = to_grid(self.scale(q), grid), to_grid(k, grid), to_grid(v, grid)  # (B,H,n,m,D)
+        if not (self.training and self.dropout > 0):
+            return self.forward_fused(qr, kr, vr).flatten(2, 3)
 
         row_logits = qr @ kr.transpose(-1, -2)  # (B,H,n,m[c],m[c'])
         row_probs = row_logits.softmax(-1)  # unmasked: an earlier row is entirely in the past
@@ -208,6 +306,35 @@ class CombinerAxialRowMajor(Attention):
         out = direct_w @ vr
         summary_out = summary_w.transpose(2, 3).contiguous() @ summary_v.transpose(2, 3).contiguous()
         return (out + summary_out.transpose(2, 3)).flatten(2, 3)
+
+    def forward_fused(self, qr: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor) -> torch.Tensor:
+        """Dropout-free fast path on row layouts ``(B, H, n, m, D)`` (q scaled) -> ``(B, H, n, m, D)``.
+
+        The unmasked row attention that makes ``v̄`` is one fused SDPA call (rows folded into the
+        head axis, 4-D); the joint softmax is ``_RowColumnJointAttention`` (no concatenation).
+        """
+        B, H, n, m, D = qr.shape
+        rows4 = [x.reshape(B * H, n, m, x.shape[-1]) for x in (qr, kr, vr)]
+        summary_v = F.scaled_dot_product_attention(*rows4, scale=1.0).view(B, H, n, m, -1)
+        k_wsum = None
+        if self.row_summary == "wsum":
+            k_wsum = F.scaled_dot_product_attention(*rows4[:2], rows4[1], scale=1.0).view(B, H, n, m, D)
+        summary_k = self.summary_keys(summary_v, kr, k_wsum)
+        if self.causal and qr.device.type == "cpu" and n > 1:
+            q_col, sk_col, sv_col = (  # (B*H, m, n-1, D): queries of rows >= 1, summaries of rows <= n-2
+                x.transpose(2, 3).reshape(B * H, m, n, x.shape[-1])[:, :, rows].contiguous()
+                for x, rows in ((qr, slice(1, None)), (summary_k, slice(None, -1)), (summary_v, slice(None, -1)))
+            )
+            out = _CausalRowColumnFlash.apply(*rows4, q_col, sk_col, sv_col)
+            return out.view(B, H, n, m, -1)
+        q_col, sk_col, sv_col = (x.transpose(2, 3).contiguous() for x in (qr, summary_k, summary_v))
+        rows, cols = torch.arange(n, device=qr.device), torch.arange(m, device=qr.device)
+        if self.causal:
+            direct_blocked = cols[:, None] < cols[None, :]  # (m[c], m[c']): later own-row columns
+            summary_blocked = rows[:, None] <= rows[None, :]  # (n[r], n[r']): rows not strictly earlier
+        else:
+            direct_blocked, summary_blocked = None, rows[:, None] == rows[None, :]
+        return _RowColumnJointAttention.apply(qr, kr, vr, q_col, sk_col, sv_col, direct_blocked, summary_blocked)
 
     def joint_mask(self, n: int, m: int, device) -> torch.Tensor:
         """(n, m, m + n) bool, True = masked: later own-row columns (causal) and unusable rows."""

@@ -2,9 +2,10 @@
 
 Softmax kernel (``kernel=softmax``): with ``x`` = q or k times ``D^(-1/4)`` (together the single 1/sqrt(D)),
 ``phi(x) = m^(-1/2) exp(W x - |x|^2 / 2 - c)``, so ``E[phi(q) . phi(k)] ~ exp(q . k / sqrt(D))``.
-The stabilizer ``c`` is the row max for a query and the max over all keys of the (batch, head) for keys
-(detached); both are constant factors that cancel in the normalization. ``eps`` is added to the query
-features only: a per-key ``eps`` would not cancel and would let a later key's max leak into earlier
+Constant factors cancel in the normalization, so for a query ``m^(-1/2) exp(-|x|^2/2 - c)`` is dropped
+(``c`` = its max projection), and for keys the stabilizer ``c`` is the max exponent over all keys of the
+(batch, head) (detached). ``eps`` is added to the query features only (on the small state, see
+``prefix_sums``): a per-key ``eps`` would not cancel and would let a later key's max leak into earlier
 causal outputs.
 ReLU kernel (``kernel=relu``, the "generalized attention" of the paper): ``phi(x) = relu(W x) + eps``.
 ``W`` ``(m, D)`` is shared by all heads; with ``orthogonal=true`` it stacks ``D x D`` blocks made
@@ -117,20 +118,27 @@ class PerformerAttention(Attention):
         self.projection.copy_(self._draw(int(self.draws)).to(self.projection))
 
     def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
-        """Random features ``(B, H, L, m)`` of unscaled queries or keys ``(B, H, L, D)``."""
+        """Random features ``(B, H, L, m)`` of unscaled queries or keys ``(B, H, L, D)``, up to factors that
+        cancel in the normalization (``m^-1/2``; per-query and per-(batch, head) constants) and without
+        the query ``eps``, which ``query_shift`` adds on the small state (fewer passes over ``(L, m)``)."""
         x = x * x.shape[-1] ** -0.25
         projected = x @ self.projection.to(x.dtype).T  # (B, H, L, m)
         if self.kernel == "relu":
             return F.relu(projected) + self.feature_eps
-        exponent = projected - 0.5 * (x * x).sum(-1, keepdim=True)
+        row_max = projected.detach().amax(-1, keepdim=True)  # (B, H, L, 1)
         if is_query:
-            # per-query constant; eps keeps every query feature positive
-            stabilizer = exponent.amax(-1, keepdim=True).detach()
-            return (torch.exp(exponent - stabilizer) + self.feature_eps) * self.n_features**-0.5
-        # one constant per (batch, head): it cancels exactly in the normalization, also when causal
-        # (no eps here, which would break that cancellation; the largest key feature is 1)
-        stabilizer = exponent.amax((-2, -1), keepdim=True).detach()
-        return torch.exp(exponent - stabilizer) * self.n_features**-0.5
+            # exp(w.x - |x|^2/2) up to the per-query factor exp(-|x|^2/2 - max): cancels per row
+            return torch.exp(projected - row_max)
+        # keys: subtract |x|^2/2 exactly and one detached constant per (batch, head), the max exponent,
+        # so the largest key feature is 1 (no overflow); the constant cancels, also when causal. No eps
+        # on keys: it would not cancel and would let a later key's max leak into earlier causal outputs.
+        half_norm = 0.5 * (x * x).sum(-1, keepdim=True)
+        stabilizer = (row_max - half_norm.detach()).amax(-2, keepdim=True)
+        return torch.exp(projected - (half_norm + stabilizer))
+
+    def query_shift(self) -> float:
+        """eps added to every query feature (softmax kernel; relu features already include it)."""
+        return self.feature_eps if self.kernel == "softmax" else 0.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.training and self.redraw_interval > 0:
@@ -139,11 +147,11 @@ class PerformerAttention(Attention):
             self.calls += 1
         phi_q, phi_k = self.features(q, True), self.features(k, False)
         if self.causal:
-            return causal_kernel_attention(phi_q, phi_k, v, self.chunk_size)
-        return kernel_attention(phi_q, phi_k, v)
+            return causal_kernel_attention(phi_q, phi_k, v, self.chunk_size, self.query_shift())
+        return kernel_attention(phi_q, phi_k, v, self.query_shift())
 
     def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return kernel_weights(self.features(q, True), self.features(k, False), self.causal)
+        return kernel_weights(self.features(q, True), self.features(k, False), self.causal, self.query_shift())
 
     def extra_repr(self) -> str:
         return (f"name={self.name}, causal={self.causal}, kernel={self.kernel}, n_features={self.n_features}, "

@@ -22,19 +22,28 @@ def _with_ones(v: torch.Tensor) -> torch.Tensor:
     return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], -1)
 
 
-def kernel_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Bidirectional normalized kernel attention, ``O(L F D)``: ``(B, H, L, F)`` x2, ``(B, H, L, D)`` -> ``(B, H, L, D)``."""
+def kernel_attention(
+    phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, query_shift: float = 0.0
+) -> torch.Tensor:
+    """Bidirectional normalized kernel attention, ``O(L F D)``: ``(B, H, L, F)`` x2, ``(B, H, L, D)`` -> ``(B, H, L, D)``.
+
+    ``query_shift`` is added to every query feature, applied on the small state instead of on the
+    ``(L, F)`` features (``(phi_q + s) S = phi_q S + s * sum_f S_f``): one pass less over the largest tensor.
+    """
     state = phi_k.transpose(-1, -2) @ _with_ones(v)  # (B, H, F, D+1)
     out = phi_q @ state
+    if query_shift:
+        out = out + query_shift * state.sum(-2, keepdim=True)
     return out[..., :-1] / out[..., -1:]
 
 
 def causal_kernel_attention(
-    phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, chunk_size: int = 64
+    phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, chunk_size: int = 64, query_shift: float = 0.0
 ) -> torch.Tensor:
     """Causal normalized kernel attention through chunked prefix sums (see the module docstring).
 
     phi_q, phi_k: ``(B, H, L, F)`` positive features; v: ``(B, H, L, D)`` -> ``(B, H, L, D)``.
+    ``query_shift``: added to every query feature (as in ``kernel_attention``).
     Any L: the tail is zero-padded to a whole chunk (zero key features add nothing to any sum).
     """
     B, H, L, n_features = phi_q.shape
@@ -50,15 +59,19 @@ def causal_kernel_attention(
     before = chunk_states.cumsum(2) - chunk_states
     out = fq @ before
     # own chunk: masked (C, C) kernel block, keys up to and including the query
-    within = (fq @ fk.transpose(-1, -2)).tril()
+    within = fq @ fk.transpose(-1, -2)
+    if query_shift:
+        out = out + query_shift * before.sum(-2, keepdim=True)
+        within = within + query_shift * fk.sum(-1).unsqueeze(-2)
+    within = within.tril()
     out = out + within @ vals
     out = out.view(B, H, n * C, -1)[:, :, :L]
     return out[..., :-1] / out[..., -1:]
 
 
-def kernel_weights(phi_q: torch.Tensor, phi_k: torch.Tensor, causal: bool) -> torch.Tensor:
+def kernel_weights(phi_q: torch.Tensor, phi_k: torch.Tensor, causal: bool, query_shift: float = 0.0) -> torch.Tensor:
     """The normalized weights ``(B, H, L, L)`` that the two functions above apply (small L only)."""
-    weights = phi_q @ phi_k.transpose(-1, -2)
+    weights = (phi_q + query_shift) @ phi_k.transpose(-1, -2)
     if causal:
         weights = weights.tril()
     return weights / weights.sum(-1, keepdim=True)

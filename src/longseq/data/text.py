@@ -329,7 +329,7 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 def load_hf_split(saved_dir: Path, hub_name: str, hub_config: str, split: str, cache_dir: Path,
                   streaming: bool = False) -> Any:
-    """One split (``train`` / ``val`` / ``test``) of a Hugging Face dataset.
+    """One split (``train`` / ``val`` / ``test``, or the dataset's own split name) of a Hugging Face dataset.
 
     Reads ``saved_dir`` (a ``DatasetDict.save_to_disk`` folder) when it exists, which is also how an
     offline machine gets the data; else ``datasets.load_dataset(hub_name, hub_config)`` (cached in
@@ -337,7 +337,7 @@ def load_hf_split(saved_dir: Path, hub_name: str, hub_config: str, split: str, c
     """
     import datasets
 
-    hf_split = HF_SPLIT_NAMES[split]
+    hf_split = HF_SPLIT_NAMES.get(split, split)  # our names (val) or the dataset's own (validation)
     if saved_dir.is_dir():
         saved = datasets.load_from_disk(str(saved_dir))
         if hf_split not in saved:

@@ -40,7 +40,9 @@ class AdaptiveLogSoftmax(nn.Module):
             raise ValueError(f"model.cutoffs={cutoffs} must be strictly increasing and inside (0, vocab_size="
                              f"{vocab_size}); use [] for a plain softmax")
         self.vocab_size, self.bounds = vocab_size, [0] + cutoffs + [vocab_size]
-        self.weight = tied_weight if tied_weight is not None else nn.Parameter(torch.randn(vocab_size, d_model) * 0.02)
+        if tied_weight is None:
+            tied_weight = nn.Parameter(torch.randn(vocab_size, d_model) * 0.02)
+        self.weight = tied_weight
         self.bias = nn.Parameter(torch.zeros(vocab_size))
         self.n_clusters = len(cutoffs)
         if self.n_clusters:

@@ -39,7 +39,8 @@ class TramsSpec:
         if self.positions not in POSITIONS:
             raise ValueError(f"memory.positions={self.positions!r} is not valid; choose one of {POSITIONS}")
         if self.recent_keep < 0 or self.topk < 0:
-            raise ValueError(f"memory.recent_keep={self.recent_keep} and memory.topk={self.topk} must be >= 0")
+            raise ValueError(f"memory.recent_keep={self.recent_keep} and memory.topk={self.topk} "
+                             "must be >= 0")
 
 
 def query_weights(qkv_weight: torch.Tensor, n_heads: int, d_head: int) -> torch.Tensor:

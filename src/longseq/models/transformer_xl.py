@@ -8,7 +8,8 @@ Semantics follow kimiyoung/transformer-xl (``pytorch/mem_transformer.py``, attn_
 - q from the current segment; k, v from concat(memory, segment) of the layer input; no projection biases.
 - post-LN residual blocks by default (``pre_lnorm=True``: pre-LN plus a final LayerNorm).
 - memory = per-layer inputs of the previous segments (stop-gradient), last ``mem_len`` kept (FIFO);
-  ``mem_init="empty"`` starts with none (Transformer-XL), ``"zeros"`` with ``mem_len`` visible zero states (HF / TRAMS).
+  ``mem_init="empty"`` starts with none (Transformer-XL), ``"zeros"`` with ``mem_len`` visible zero
+  states (HF / TRAMS).
 - ``same_length``: every query sees the same number of keys once memory is full.
 - embedding x sqrt(d_model); tied output softmax with bias, adaptive for large vocabularies.
 
@@ -84,7 +85,8 @@ def attention_mask(qlen: int, klen: int, mem_len: int, same_length: bool, device
 class RelMultiHeadAttention(nn.Module):
     """Relative multi-head attention of one layer, with optional TRAMS key selection."""
 
-    def __init__(self, d_model: int, n_heads: int, d_head: int, dropout: float, dropatt: float, pre_lnorm: bool) -> None:
+    def __init__(self, d_model: int, n_heads: int, d_head: int, dropout: float, dropatt: float,
+                 pre_lnorm: bool) -> None:
         super().__init__()
         self.n_heads, self.d_head, self.pre_lnorm = n_heads, d_head, pre_lnorm
         self.qkv = nn.Linear(d_model, 3 * n_heads * d_head, bias=False)
@@ -138,7 +140,8 @@ class RelMultiHeadAttention(nn.Module):
         probs = torch.softmax(logits.masked_fill(mask, float("-inf")), dim=-1).to(q.dtype)
         if stats is not None:
             n_mem = probs.shape[-1] - Q
-            stats["mem_mass"] = stats.get("mem_mass", 0.0) + probs[..., :n_mem].sum(-1).sum().detach().double()
+            mass = probs[..., :n_mem].sum().detach().double()
+            stats["mem_mass"] = stats.get("mem_mass", 0.0) + mass
             stats["queries"] = stats.get("queries", 0) + probs[..., 0].numel()
         y = self.dropatt(probs) @ v  # (B, H, Q, D)
         y = self.drop(self.out(y.transpose(1, 2).reshape(B, Q, -1)))
@@ -168,16 +171,19 @@ class TransformerXL(nn.Module):
     """Transformer-XL language model.
 
     Args:
-        vocab_size: tokens; n_layers, d_model, n_heads, d_inner: sizes; d_head: per-head width (None:
-            d_model // n_heads); dropout / dropatt: residual / attention-weight dropout; pre_lnorm: pre-LN blocks;
-        cutoffs: adaptive-softmax cluster boundaries ([] = plain softmax); tie_weight: share the input embedding.
+        vocab_size: tokens; n_layers, d_model, n_heads, d_inner: sizes; d_head: per-head width
+            (None: d_model // n_heads); dropout / dropatt: residual / attention-weight dropout;
+        pre_lnorm: pre-LN blocks; cutoffs: adaptive-softmax cluster boundaries ([] = plain softmax);
+        tie_weight: share the input embedding with the output layer.
 
-    ``forward(tokens (B, Q), mems, spec) -> (hidden (B, Q, d), new mems)``; ``nll(hidden, targets) -> (B, Q)``.
+    ``forward(tokens (B, Q), mems, spec) -> (hidden (B, Q, d), new mems)``;
+    ``nll(hidden, targets) -> (B, Q)``.
     """
 
     def __init__(self, vocab_size: int, n_layers: int, d_model: int, n_heads: int, d_inner: int,
-                 d_head: int | None = None, dropout: float = 0.1, dropatt: float = 0.0, pre_lnorm: bool = False,
-                 cutoffs: Sequence[int] = (), tie_weight: bool = True, init_std: float = 0.02) -> None:
+                 d_head: int | None = None, dropout: float = 0.1, dropatt: float = 0.0,
+                 pre_lnorm: bool = False, cutoffs: Sequence[int] = (), tie_weight: bool = True,
+                 init_std: float = 0.02) -> None:
         super().__init__()
         d_head = d_head or d_model // n_heads
         self.vocab_size, self.n_layers, self.d_model = vocab_size, n_layers, d_model
@@ -199,15 +205,17 @@ class TransformerXL(nn.Module):
                 nn.init.normal_(module.weight, std=std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
-        for p in (self.pos_bias_u, self.pos_bias_v):
-            nn.init.normal_(p, std=std)
+        for p in (self.pos_bias_u, self.pos_bias_v, getattr(self.output, "cluster_weight", None)):
+            if p is not None:
+                nn.init.normal_(p, std=std)
 
     def init_memory(self, batch: int, spec: MemorySpec, device=None, dtype=None) -> list[torch.Tensor]:
         """Empty memories ``(B, 0, d)``, or ``mem_len`` zero states per layer (``mem_init=zeros``)."""
         device = device or self.token_embedding.weight.device
         dtype = dtype or self.token_embedding.weight.dtype
         length = spec.mem_len if spec.mem_init == "zeros" else 0
-        return [torch.zeros(batch, length, self.d_model, device=device, dtype=dtype) for _ in range(self.n_layers)]
+        return [torch.zeros(batch, length, self.d_model, device=device, dtype=dtype)
+                for _ in range(self.n_layers)]
 
     def positions(self, klen: int, clamp_len: int, device) -> torch.Tensor:
         """``(klen, d)`` sinusoid rows for distances ``klen-1 ... 0`` (clamped at ``clamp_len`` when > 0)."""

@@ -51,10 +51,11 @@ class StreamSegments(IterableDataset):
     HF protocol, which never predicts the first token of a segment).
     """
 
-    def __init__(self, stream: np.ndarray, n_streams: int, tgt_len: int, first: int = 0, rows: int | None = None,
-                 loss_protocol: str = "xl_next_token") -> None:
+    def __init__(self, stream: np.ndarray, n_streams: int, tgt_len: int, first: int = 0,
+                 rows: int | None = None, loss_protocol: str = "xl_next_token") -> None:
         if loss_protocol not in LOSS_PROTOCOLS:
-            raise ValueError(f"memory.loss_protocol={loss_protocol!r} is not valid; choose one of {LOSS_PROTOCOLS}")
+            raise ValueError(f"memory.loss_protocol={loss_protocol!r} is not valid; "
+                             f"choose one of {LOSS_PROTOCOLS}")
         self.n_step = len(stream) // n_streams
         if self.n_step < 2:
             raise ValueError(f"a split of {len(stream)} tokens is too short for {n_streams} streams")
@@ -98,7 +99,8 @@ class XLLanguageModel(L.LightningModule):
 
     def __init__(self, model: dict, attention: dict, optimizer: dict, scheduler: dict | None, memory: dict,
                  vocab_size: int | None = None, seq_len: int | None = None, metric: str = "bpc",
-                 num_levels: int | None = None, image_shape: Any = None, init_from: str | None = None) -> None:
+                 num_levels: int | None = None, image_shape: Any = None,
+                 init_from: str | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
         model, attention, memory = dict(to_dict(model)), dict(to_dict(attention)), dict(to_dict(memory))
@@ -118,17 +120,19 @@ class XLLanguageModel(L.LightningModule):
         self.eval_tgt_len = int(memory.get("eval_tgt_len") or self.tgt_len)
         self.loss_protocol = memory.get("loss_protocol", "xl_next_token")
         self.train_spec = MemorySpec(int(memory["mem_len"]), memory["mem_init"], same_length, clamp_len)
-        eval_base = MemorySpec(int(memory["eval_mem_len"]), memory["mem_init"], bool(memory["eval_same_length"]),
-                               int(memory["eval_clamp_len"]))
+        eval_base = MemorySpec(int(memory["eval_mem_len"]), memory["mem_init"],
+                               bool(memory["eval_same_length"]), int(memory["eval_clamp_len"]))
         self.eval_specs = {"xl": eval_base}
         selection = memory.get("selection", "none")
         if selection not in SELECTIONS:
             raise ValueError(f"memory.selection={selection!r} is not valid; choose one of {SELECTIONS}")
         if selection == "trams":
-            trams = TramsSpec(int(memory["recent_keep"]), int(memory["topk"]), memory["score"], memory["positions"])
+            trams = TramsSpec(int(memory["recent_keep"]), int(memory["topk"]), memory["score"],
+                              memory["positions"])
             self.eval_specs["trams"] = eval_base.with_(mem_len=int(memory["pool"]), trams=trams)
-        self.nll = torch.nn.ModuleDict({f"{s}_{n}": MeanNLL() for s in ("val", "test") for n in self.eval_specs})
-        self.mass = torch.nn.ModuleDict({f"{s}_{n}": MeanNLL() for s in ("val", "test") for n in self.eval_specs})
+        keys = [f"{split}_{name}" for split in ("val", "test") for name in self.eval_specs]
+        self.nll = torch.nn.ModuleDict({key: MeanNLL() for key in keys})
+        self.mass = torch.nn.ModuleDict({key: MeanNLL() for key in keys})  # attention mass on memory
         self.tokens = torch.nn.ModuleDict({s: SumMetric() for s in ("val", "test")})
         self.best = MinMetric()
         self.mems: dict[str, list[torch.Tensor] | None] = {}
@@ -143,8 +147,8 @@ class XLLanguageModel(L.LightningModule):
         """Replace the datamodule's window loaders by ordered stream loaders over its token streams."""
         dm = self.trainer.datamodule if self.trainer is not None else None
         if dm is None or not hasattr(dm, "streams"):
-            raise ValueError(f"model=transformer_xl trains on token streams (task=enwik8|text8|wikitext103|wiki40b); "
-                             f"datamodule {type(dm).__name__} has none")
+            raise ValueError("model=transformer_xl trains on token streams (task=enwik8|text8|wikitext103|"
+                             f"wiki40b); datamodule {type(dm).__name__} has none")
 
         def loader(split: str, global_streams: int, tgt_len: int) -> DataLoader:
             world, rank = getattr(dm, "world_size", 1), getattr(dm, "rank", 0)
@@ -162,7 +166,8 @@ class XLLanguageModel(L.LightningModule):
         def test_dataloader() -> DataLoader:
             return loader("test", dm.eval_batch_size, self.eval_tgt_len)
 
-        dm.train_dataloader, dm.val_dataloader, dm.test_dataloader = train_dataloader, val_dataloader, test_dataloader
+        dm.train_dataloader, dm.val_dataloader = train_dataloader, val_dataloader
+        dm.test_dataloader = test_dataloader
 
     # -------------------------------------------------------------------------------------- training
 

@@ -44,20 +44,29 @@ class Examples(Dataset):
 class PadCollate:
     """Stack a batch, padding every document to the FIXED ``max_length`` with ``PAD_ID``.
 
-    A fixed length (not the batch maximum) because block-structured attentions are built for one length.
-    Returns ``(tokens (B, max_length) long, ..., labels (B,) long)``.
+    A fixed length by default because block-structured attentions are built for one length. With
+    ``pad_to_longest`` the batch is padded only to its longest document (rounded up to a multiple of
+    ``multiple``), which is much cheaper for length-agnostic attentions (``full``) on short data.
+    Returns ``(tokens (B, length) long, ..., labels (B,) long)``.
     """
 
-    def __init__(self, max_length: int) -> None:
-        self.max_length = max_length
+    def __init__(self, max_length: int, pad_to_longest: bool = False, multiple: int = 1) -> None:
+        self.max_length, self.pad_to_longest, self.multiple = max_length, pad_to_longest, max(1, multiple)
+
+    def length(self, docs: tuple) -> int:
+        if not self.pad_to_longest:
+            return self.max_length
+        longest = max(min(len(d), self.max_length) for column in docs for d in column)
+        return min(self.max_length, -(-max(1, longest) // self.multiple) * self.multiple)
 
     def __call__(self, batch: list[tuple]) -> tuple[torch.Tensor, ...]:
         *docs, labels = zip(*batch)
+        length = self.length(docs)
         out = []
         for column in docs:
-            tokens = torch.full((len(column), self.max_length), PAD_ID, dtype=torch.long)
+            tokens = torch.full((len(column), length), PAD_ID, dtype=torch.long)
             for row, doc in enumerate(column):
-                n = min(len(doc), self.max_length)
+                n = min(len(doc), length)
                 tokens[row, :n] = torch.as_tensor(np.asarray(doc[:n], dtype=np.int64))
             out.append(tokens)
         return (*out, torch.tensor(labels, dtype=torch.long))
@@ -75,6 +84,9 @@ class LraDataModule(L.LightningDataModule):
         seed: seed of anything the datamodule draws itself.
         eval_batch_size: global batch for validation/test (defaults to ``batch_size``).
         limit: keep at most this many examples per split (smoke runs); ``None`` keeps all.
+        pad_to_longest: pad each batch to its longest document (a multiple of ``pad_multiple``) instead of
+            ``max_length``; only for attentions that accept any length (e.g. ``full``).
+        pad_multiple: see ``pad_to_longest``.
     """
 
     num_classes: int = 2
@@ -82,7 +94,8 @@ class LraDataModule(L.LightningDataModule):
 
     def __init__(self, root: str = "data/lra", max_length: int = 1024, batch_size: int = 32,
                  accumulate_grad_batches: int = 1, num_workers: int = 0, seed: int = 0,
-                 eval_batch_size: int | None = None, limit: int | None = None) -> None:
+                 eval_batch_size: int | None = None, limit: int | None = None, pad_to_longest: bool = False,
+                 pad_multiple: int = 1) -> None:
         super().__init__()
         self.root = Path(root).expanduser()
         self.max_length = int(max_length)
@@ -92,6 +105,7 @@ class LraDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.seed = seed
         self.limit = limit
+        self.pad_to_longest, self.pad_multiple = pad_to_longest, pad_multiple
         self.datasets: dict[str, Examples] = {}
 
     def load_split(self, split: str) -> Examples:
@@ -125,7 +139,7 @@ class LraDataModule(L.LightningDataModule):
             batch_size=self.device_batch if split == "train" else self.device_eval_batch,
             shuffle=shuffle,
             drop_last=shuffle,
-            collate_fn=PadCollate(self.max_length),
+            collate_fn=PadCollate(self.max_length, self.pad_to_longest, self.pad_multiple),
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from longseq.data.lra.common import BYTE_VOCAB_SIZE, Examples, LraDataModule, encode_bytes
-from longseq.data.text import load_hf_split
+from longseq.data.text import load_hf_split, offline_requested
 
 HUB_NAME, HUB_CONFIG = "stanfordnlp/imdb", "plain_text"
 HF_SPLITS = {"train": "train", "val": "test", "test": "test"}  # LRA validates on the test set
@@ -25,7 +25,14 @@ class LraTextDataModule(LraDataModule):
     vocab_size = BYTE_VOCAB_SIZE
 
     def load_split(self, split: str) -> Examples:
-        rows = load_hf_split(self.root / "imdb", HUB_NAME, HUB_CONFIG, HF_SPLITS[split], self.root / "hf_cache")
+        saved, cache = self.root / "imdb", self.root / "hf_cache"
+        if not saved.is_dir() and not cache.is_dir() and offline_requested():
+            # datasets' own offline lookup takes tens of seconds to conclude there is nothing.
+            raise FileNotFoundError(
+                f"IMDB ({HUB_NAME}) not found: offline mode is set and there is neither a saved copy at {saved} nor "
+                f"a cache at {cache}. On a machine with network run: python -c \"import datasets; datasets.load_dataset("
+                f"'{HUB_NAME}', '{HUB_CONFIG}').save_to_disk('imdb')\" and copy imdb/ to {saved}.")
+        rows = load_hf_split(saved, HUB_NAME, HUB_CONFIG, HF_SPLITS[split], cache)
         docs = [encode_bytes(text, self.max_length) for text in rows["text"]]
         labels = np.asarray(rows["label"], dtype=np.int64)
         if set(np.unique(labels)) - {0, 1}:
