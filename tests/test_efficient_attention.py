@@ -270,19 +270,18 @@ def test_performer_orthogonal_blocks():
 @pytest.mark.parametrize("shift", [0.0, 0.3])
 @pytest.mark.parametrize("L,chunk", [(16, 4), (17, 4), (5, 8), (16, 1), (16, 16)])
 def test_prefix_sums_any_length_and_chunk(L, chunk, shift):
+    """Chunked causal prefix sums (any L, any chunk) and the bidirectional form equal the dense weights."""
     g = torch.Generator().manual_seed(1)
     phi_q, phi_k = (torch.rand(2, 3, L, 6, generator=g, dtype=torch.float64) + 0.1 for _ in range(2))
     v = torch.randn(2, 3, L, 5, generator=g, dtype=torch.float64)
     for causal in (True, False):
-        dense = ((phi_q + shift) @ phi_k.transpose(-1, -2)).tril(0 if causal else L)
-        expected = (dense / dense.sum(-1, keepdim=True)) @ v
-        torch.testing.assert_close((kernel_weights(phi_q, phi_k, causal, shift) @ v), expected, atol=1e-12, rtol=0)
-    torch.testing.assert_close(causal_kernel_attention(phi_q, phi_k, v, chunk, shift), expected_causal(phi_q, phi_k, v, shift), atol=1e-12, rtol=0)
-    torch.testing.assert_close(kernel_attention(phi_q, phi_k, v, shift), kernel_weights(phi_q, phi_k, False, shift) @ v, atol=1e-12, rtol=0)
-
-
-def expected_causal(phi_q, phi_k, v, shift):
-    return kernel_weights(phi_q, phi_k, True, shift) @ v
+        dense = (phi_q + shift) @ phi_k.transpose(-1, -2)
+        if causal:
+            dense = dense.tril()
+        weights = dense / dense.sum(-1, keepdim=True)
+        torch.testing.assert_close(kernel_weights(phi_q, phi_k, causal, shift), weights, atol=1e-12, rtol=0)
+        fast = causal_kernel_attention(phi_q, phi_k, v, chunk, shift) if causal else kernel_attention(phi_q, phi_k, v, shift)
+        torch.testing.assert_close(fast, weights @ v, atol=1e-12, rtol=0)
 
 
 def test_fnet_two_dimensional_dft():
@@ -353,3 +352,12 @@ def test_geometry_errors_name_the_key():
         build_attention("performer", causal=False, kernel="cosine", **COMMON)
     with pytest.raises(AttentionConfigError, match="attention.mode"):
         build_attention("synthesizer", causal=False, mode="conv", seq_len=16, **COMMON)
+
+
+def test_nystrom_residual_is_depthwise_convolution():
+    attn = make("nystrom", False, n_landmarks=4, conv_kernel=5)
+    v = random_qkv(L=70, D=D)[2]
+    B, _, L, _ = v.shape
+    x = v.permute(0, 3, 1, 2).reshape(B * D, H, L)
+    reference = F.conv1d(x, attn.conv.unsqueeze(1), padding=2, groups=H).view(B, D, H, L).permute(0, 2, 3, 1)
+    torch.testing.assert_close(attn.residual(v), reference, atol=1e-12, rtol=0)

@@ -193,7 +193,8 @@ def test_fast_dev_run(task, make_cfg, tmp_path):
         "lra_image": lambda: (write_cifar10_fixture(tmp_path), ["task.data.download=false",
                                                                "task.data.verify_checksums=false", "task.data.val_size=4"]),
         "lra_pathfinder": lambda: (write_pathfinder_fixture(root, 32, "curv_contour_length_9"), []),
-        "lra_pathx": lambda: (write_pathfinder_fixture(root, 128, "curv_contour_length_14"), []),
+        # 16,384 tokens: a sparse pattern keeps the step cheap (full attention would be 16k x 16k).
+        "lra_pathx": lambda: (write_pathfinder_fixture(root, 128, "curv_contour_length_14"), ["attention=fixed"]),
     }[task]()[1]
     cfg = make_cfg([f"task={task}", f"paths.data_dir={tmp_path}", *TINY, *extra])
     metrics = train(cfg)
@@ -201,11 +202,11 @@ def test_fast_dev_run(task, make_cfg, tmp_path):
 
 
 def test_padded_task_rejects_attention_without_padding_support(tmp_path):
-    cfg = compose_config(["task=lra_listops", "attention=fixed", "task.seq_len=64"], tmp_path)
-    with pytest.raises(AttentionConfigError, match="'fixed' does not support key_padding_mask.*task=lra_listops"):
+    cfg = compose_config(["task=lra_listops", "attention=combiner_axial", "task.seq_len=64"], tmp_path)
+    with pytest.raises(AttentionConfigError, match="'combiner_axial' does not support key_padding_mask.*task=lra_listops"):
         build_module(cfg)
-    cfg = compose_config(["task=lra_pathfinder", "attention=fixed"], tmp_path)  # fixed length: no mask needed
-    assert build_module(cfg).net.blocks[0].attn.attention.name == "fixed"
+    cfg = compose_config(["task=lra_pathfinder", "attention=combiner_axial"], tmp_path)  # fixed length: no mask
+    assert build_module(cfg).net.blocks[0].attn.attention.name == "combiner_axial"
 
 
 def test_lra_experiments_compose(tmp_path):
@@ -327,3 +328,77 @@ def test_pathfinder_writer_round_trips_through_the_loader(tmp_path):
     assert [len(dm.datasets[s]) for s in ("train", "val", "test")] == [10, 1, 1]
     assert dm.datasets["test"].labels.tolist() == [int(lines[-1][3])]
     assert max(int(dm.datasets["train"].fields[0][0].max()), 0) > 200  # white strokes on black
+
+
+# ----------------------------------------------------------------------------------------------------
+# Key padding in the sparse family (softmax over a fixed pattern + the padding channel)
+
+
+SPARSE_FAMILY = ["local", "longformer", "fixed", "axial", "strided", "logsparse", "random", "bigbird"]
+
+
+@pytest.mark.parametrize("name", SPARSE_FAMILY)
+def test_sparse_family_gives_padded_keys_zero_weight(name):
+    from longseq.attention import ATTENTION_REGISTRY
+    from longseq.attention.registry import accepted_kwargs
+
+    cls = ATTENTION_REGISTRY[name].cls
+    assert cls.supports_padding_mask
+    L = 16
+    knobs = {key: 4 for key in ("block_size", "window") if key in accepted_kwargs(cls)}
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, L, 4, dtype=torch.float64) for _ in range(3))
+    pad = torch.zeros(2, L, dtype=torch.bool)
+    pad[0, 11:] = True  # a padded tail
+    pad[1, 2:7] = True  # a padded stretch inside (exercises rows whose allowed keys are all padded)
+    for causal in [c for c in (False, True) if (cls.supports_causal if c else cls.supports_bidirectional)]:
+        attn = build_attention(name, causal=causal, seq_len=L, n_heads=2, head_dim=4, **knobs).eval()
+        plain = attn.attention_matrix(q, k, v)
+        P = attn.attention_matrix(q, k, v, key_padding_mask=pad)
+        padded_key = pad[:, None, None, :].expand_as(P)
+        has_real = ((plain > 0) & ~padded_key).any(-1, keepdim=True)
+        assert (P[padded_key & has_real.expand_as(P)] == 0).all()
+        expected = plain.masked_fill(padded_key, 0.0)
+        expected = torch.where(has_real, expected / expected.sum(-1, keepdim=True).clamp_min(1e-300), plain)
+        assert torch.allclose(P, expected, atol=1e-9)  # renormalised over the real keys of the pattern
+        assert torch.allclose(attn(q, k, v, key_padding_mask=pad), P @ v, atol=1e-10)
+        assert torch.allclose(attn(q, k, v), plain @ v, atol=1e-10)  # unchanged without a mask
+
+
+def test_padded_task_trains_with_a_sparse_attention(make_cfg, tmp_path):
+    root = tmp_path / "lra"
+    root.mkdir()
+    write_listops_fixture(root)
+    cfg = make_cfg(["task=lra_listops", f"paths.data_dir={tmp_path}", "attention=fixed", "task.seq_len=32", *TINY])
+    assert np.isfinite(train(cfg)["test/loss"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Key padding in Combiner-Fixed: padded keys out of direct sets and summaries, empty regions masked
+
+
+@pytest.mark.parametrize("summary", ["max", "mean", "deepsets_max"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_combiner_fixed_key_padding(summary, causal):
+    L, m = 16, 4
+    attn = build_attention("combiner_fixed", causal=causal, block_size=m, summary=summary, seq_len=L, n_heads=2,
+                           head_dim=4).double().eval()
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, 2, L, 4, dtype=torch.float64) for _ in range(3))
+    pad = torch.zeros(2, L, dtype=torch.bool)
+    pad[0, 9:] = True  # segment 2 half padded, segment 3 entirely padded (an empty region)
+    pad[1, 1:3] = True
+    P = attn.attention_matrix(q, k, v, key_padding_mask=pad)
+    assert torch.allclose(P.sum(-1), torch.ones_like(P[..., 0]))
+    assert (P[0, :, :, 9:] == 0).all() and (P[1, :, :, 1:3] == 0).all()
+    assert torch.allclose(attn(q, k, v, key_padding_mask=pad), P @ v, atol=1e-10)
+    # Padded keys' contents cannot matter: perturbing them leaves every output unchanged.
+    k2, v2 = k.clone(), v.clone()
+    k2[0, :, 9:] += 5 * torch.randn_like(k2[0, :, 9:])
+    v2[0, :, 9:] += 5
+    assert torch.allclose(attn(q, k2, v2, key_padding_mask=pad), attn(q, k, v, key_padding_mask=pad), atol=1e-10)
+    # A document without padding is unaffected by passing an all-False mask.
+    none = torch.zeros_like(pad)
+    assert torch.allclose(attn(q, k, v, key_padding_mask=none), attn(q, k, v), atol=1e-10)
+    if not causal:  # Combiner keeps full support over the real keys
+        assert (P[1][..., ~pad[1]] > 0).all()

@@ -48,6 +48,11 @@ class Attention(nn.Module):
     supports_bidirectional: bool = True
     supports_padding_mask: bool = False  # forward/attention_matrix accept key_padding_mask=(B, L), True = pad
     has_parameters: bool = False
+    # What ``attention_matrix`` promises (tests read these): rows sum to 1 (a softmax-style method),
+    # and ``forward(q, k, v) == attention_matrix(q, k, v) @ v`` exactly (the output is linear in v
+    # through one (L, L) matrix).
+    normalized_rows: bool = True
+    matrix_is_exact: bool = True
 
     def __init__(
         self,

@@ -100,8 +100,16 @@ class CombinerFixedAttention(Attention):
         return direct, regions, region_allowed
 
     # -- the contract -----------------------------------------------------------------------------
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """(B, H, L, D) unscaled q, k, v -> (B, H, L, D) (v may have its own last width)."""
+    # Key padding (LRA): padded keys get no direct weight, are left out of every region's pooled query/key
+    # and of its local expectation, and a region with no real key is masked. A query left with nothing to
+    # attend to (only possible when its whole segment and every usable region are padding) falls back to
+    # its unpadded own-segment keys, so no row is NaN.
+    supports_padding_mask = True
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, H, L, D) unscaled q, k, v -> (B, H, L, D) (v may have its own last width);
+        ``key_padding_mask`` (B, L) bool, True = padded key."""
         B, H, L, D = q.shape
         grid = self.grid(L)
         n, m = grid.n_rows, grid.n_cols
@@ -111,22 +119,70 @@ class CombinerFixedAttention(Attention):
         kb = k.reshape(B * H, n, m, D)
         vb = v.reshape(B * H, n, m, v.shape[-1])
 
-        q_bar = self.summary.pool_queries(qs, -2)  # (BH, n, D)
-        k_bar = self.summary.pool_keys(kb, -2)  # (BH, n, D)
+        if key_padding_mask is None:
+            q_bar = self.summary.pool_queries(qs, -2)  # (BH, n, D)
+            k_bar = self.summary.pool_keys(kb, -2)  # (BH, n, D)
+            inner_mask, joint_mask = None, self.joint_mask(n, m, q.device)
+        else:
+            real = (~key_padding_mask.bool()).view(B, 1, n, m).expand(B, H, n, m).reshape(B * H, n, m)
+            occupied = real.any(-1)  # (BH, n): the region has a real key
+            q_bar = self.masked_pool(self.summary.query_features(qs), real)
+            k_bar = self.masked_pool(self.summary.key_features(kb), real)
+            # an empty region gets any finite inner row (all keys); its summary is masked in the joint mask
+            inner_mask = (real | ~occupied.unsqueeze(-1)).unsqueeze(-2)  # (BH, n, 1, m)
+            joint_mask = self.padded_joint_mask(real, occupied, n, m, q.device)
         # v_bar = sum_t softmax_t(q_bar . k_t) v_t: one query per segment, through the fused kernel too
         drop = self.dropout if self.training else 0.0
-        v_bar = F.scaled_dot_product_attention(q_bar.unsqueeze(-2), kb, vb, dropout_p=drop, scale=1.0).squeeze(-2)  # (BH, n, Dv)
+        v_bar = F.scaled_dot_product_attention(q_bar.unsqueeze(-2), kb, vb, attn_mask=inner_mask, dropout_p=drop,
+                                               scale=1.0).squeeze(-2)  # (BH, n, Dv)
 
         # every segment sees the same n summaries; which ones it may use is the mask's business
         keys = torch.cat([kb, k_bar.unsqueeze(1).expand(-1, n, -1, -1)], -2)  # (BH, n, m + n, D)
         values = torch.cat([vb, v_bar.unsqueeze(1).expand(-1, n, -1, -1)], -2)  # (BH, n, m + n, Dv)
-        out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=self.joint_mask(n, m, q.device), scale=1.0)
+        out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=joint_mask, scale=1.0)
         return out.reshape(B, H, L, -1)
 
-    def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """(B, H, L, L) effective weights, built densely from ``partition`` (independent of ``forward``)."""
+    def masked_pool(self, features: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """Pool per-position summary features (BH, n, m, D) over the real positions of each segment -> (BH, n, D);
+        a segment without real positions pools to 0 (its summary is masked)."""
+        keep = real.unsqueeze(-1)
+        if self.summary.reduce == "max":
+            pooled = features.masked_fill(~keep, float("-inf")).max(-2).values
+            return pooled.masked_fill(~real.any(-1, keepdim=True), 0.0)
+        weights = keep.to(features.dtype)
+        return (features * weights).sum(-2) / weights.sum(-2).clamp(min=1.0)
+
+    def padded_joint_mask(self, real: torch.Tensor, occupied: torch.Tensor, n: int, m: int,
+                          device: torch.device) -> torch.Tensor:
+        """(BH, n, m, m + n) bool: the joint mask minus padded direct keys and empty regions, with the
+        own-segment fallback for rows left empty."""
+        base = self.joint_mask(n, m, device)  # (1, n, m, m + n)
+        usable = torch.cat([real.unsqueeze(2).expand(-1, n, m, m), occupied[:, None, None, :].expand(-1, n, m, n)], -1)
+        mask = base & usable
+        direct_only = base.clone()
+        direct_only[..., m:] = False
+        return torch.where(mask.any(-1, keepdim=True), mask, direct_only)
+
+    def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, H, L, L) effective weights, built densely from ``partition`` (independent of ``forward``).
+
+        With ``key_padding_mask`` each document gets its own partition (padded keys out of the direct sets and
+        the regions, empty regions unusable): a loop over the batch on this small-L reference path only.
+        """
         direct, regions, region_allowed = self.partition(q.shape[-2], q.device)
-        return effective_attention_matrix(q, k, self.summary, direct, regions, region_allowed)
+        if key_padding_mask is None:
+            return effective_attention_matrix(q, k, self.summary, direct, regions, region_allowed)
+        matrices = []
+        for b, pad in enumerate(key_padding_mask.bool()):
+            regions_b = regions & ~pad
+            allowed_b = region_allowed & regions_b.any(-1)
+            direct_b = direct & ~pad
+            empty = ~(direct_b.any(-1) | allowed_b.any(-1))
+            direct_b = torch.where(empty.unsqueeze(-1), direct, direct_b)
+            matrices.append(effective_attention_matrix(q[b : b + 1], k[b : b + 1], self.summary, direct_b,
+                                                       regions_b, allowed_b))
+        return torch.cat(matrices)
 
 
 __all__ = ["CombinerFixedAttention"]

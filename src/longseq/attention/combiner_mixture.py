@@ -31,7 +31,9 @@ Prefix regions are pooled inclusively and shifted by one (official order), so no
 runs over an empty set. Weight dropout applies to the joint weights only (the official layer has none).
 
 Fast path: row-layout ``(B, H, n, m, ·)`` and column-layout ``(B, H, m, n, ·)`` logits from batched
-matmuls, concatenated in the row layout, one softmax, split — ``O(L (n + m))`` memory.
+matmuls, each kept in its own layout and normalized by one shared max and sum
+(``_JointGroupsAttention``, explicit backward) — ``O(L (n + m))`` memory, no concatenation. Training
+with weight dropout concatenates the logits in the row layout and runs one softmax.
 """
 
 from __future__ import annotations
@@ -78,6 +80,70 @@ class LogitGroup:
         return (weights.transpose(2, 3).contiguous() @ self.values).transpose(2, 3)
 
 
+class _JointGroupsAttention(torch.autograd.Function):
+    """Exact joint softmax over several ``LogitGroup``s, each kept in its own layout.
+
+    The groups share one max and one normaliser (``w = exp(s - M) / Z`` with ``M``, ``Z`` over all
+    groups), so no ``(..., 3n + 2m)`` concatenation, split or transposed logit copy is made; logits
+    are exponentiated in place and every bmm operand is contiguous or a last-two-axes transpose.
+
+    Args: ``layouts`` (tuple of "row"/"col"), ``masks`` (allowed masks or None, per group),
+    ``q_row`` ``(B, H, n, m, D)``, ``q_col`` ``(B, H, m, n, D)`` (scaled), then ``k_0, v_0, k_1, ...``.
+    Output ``(B, H, n, m, Dv)`` (row layout).
+    """
+
+    @staticmethod
+    def forward(ctx, layouts, masks, q_row, q_col, *keys_values):
+        weights, top = [], None
+        for layout, mask, keys in zip(layouts, masks, keys_values[0::2]):
+            logits = (q_row if layout == "row" else q_col) @ keys.transpose(-1, -2)
+            if mask is not None:
+                logits.masked_fill_(~mask, NEG_INF)
+            group_top = logits.amax(-1) if layout == "row" else logits.amax(-1).transpose(-1, -2)  # (B,H,n,m)
+            top = group_top if top is None else torch.maximum(top, group_top)
+            weights.append(logits)
+        total = None
+        for layout, w in zip(layouts, weights):  # the direct part holds self, so ``top`` is finite
+            w.sub_((top if layout == "row" else top.transpose(-1, -2)).unsqueeze(-1)).exp_()
+            group_sum = w.sum(-1) if layout == "row" else w.sum(-1).transpose(-1, -2)
+            total = group_sum if total is None else total + group_sum
+        inv_total = total.reciprocal_()
+        out = None
+        for layout, w, values in zip(layouts, weights, keys_values[1::2]):
+            w.mul_((inv_total if layout == "row" else inv_total.transpose(-1, -2)).unsqueeze(-1))
+            part = w @ values if layout == "row" else (w @ values).transpose(2, 3)
+            out = part.clone(memory_format=torch.contiguous_format) if out is None else out.add_(part)
+        ctx.layouts = layouts
+        ctx.save_for_backward(q_row, q_col, out, *keys_values, *weights)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        layouts = ctx.layouts
+        q_row, q_col, out, *rest = ctx.saved_tensors
+        keys_values, weights = rest[: 2 * len(layouts)], rest[2 * len(layouts) :]
+        grad_row = grad_out.contiguous()  # zero-stride or transposed grads would push bmm off BLAS
+        grad_col = grad_row.transpose(2, 3).contiguous() if "col" in layouts else None
+        row_dot = (grad_row * out).sum(-1)  # (B,H,n,m): <dO, out> of the softmax backward
+        grad_q = {"row": None, "col": None}
+        grad_kv = []
+        for layout, w, keys, values in zip(layouts, weights, keys_values[0::2], keys_values[1::2]):
+            grad_o = grad_row if layout == "row" else grad_col
+            dot = row_dot if layout == "row" else row_dot.transpose(-1, -2)
+            grad_values = w.transpose(-1, -2) @ grad_o
+            grad_logits = (grad_o @ values.transpose(-1, -2)).sub_(dot.unsqueeze(-1)).mul_(w)
+            part = grad_logits @ keys
+            grad_q[layout] = part if grad_q[layout] is None else grad_q[layout].add_(part)
+            grad_kv += [grad_logits.transpose(-1, -2) @ (q_row if layout == "row" else q_col), grad_values]
+        return None, None, grad_q["row"], grad_q["col"], *grad_kv
+
+
+def joint_groups_attention(groups: list["LogitGroup"], q_row: torch.Tensor, q_col: torch.Tensor) -> torch.Tensor:
+    """Dropout-free joint softmax over ``groups`` -> ``(B, H, n, m, Dv)``; q_row/q_col scaled, see ``LogitGroup``."""
+    layouts, masks = tuple(g.layout for g in groups), tuple(g.mask for g in groups)
+    return _JointGroupsAttention.apply(layouts, masks, q_row, q_col, *[x for g in groups for x in (g.keys, g.values)])
+
+
 class PooledAxialAttention(Attention):
     """Shared machinery of the pooled axial variants; subclasses choose the region families.
 
@@ -116,18 +182,28 @@ class PooledAxialAttention(Attention):
             k_bar, v_bar = self.prefix_summaries(q.flip(-2), k.flip(-2), v.flip(-2))
             return k_bar.flip(-2), v_bar.flip(-2)
         T = q.shape[-2]
-        q_pool = self.summary.prefix_queries(q, -2)
-        k_pool = self.summary.prefix_keys(k, -2)
+        q_pool = self.running_pool(q, self.summary.prefix_queries)
+        k_pool = self.running_pool(k, self.summary.prefix_keys)
         later = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
         inclusive = (q_pool @ k.transpose(-1, -2)).masked_fill(later, NEG_INF).softmax(-1) @ v
         # Inclusive prefix [0, t] shifted by one = strict prefix [0, t): never an empty inner softmax.
         return shift_forward(k_pool), shift_forward(inclusive)
 
+    def running_pool(self, x: torch.Tensor, prefix) -> torch.Tensor:
+        """Inclusive running pool of ``x`` ``(..., T, D)`` along axis -2 (``prefix`` of ``RegionSummary``).
+
+        Plain max runs its scan on a contiguous last axis: CPU ``cummax`` along a strided axis is
+        about 3x slower. (Feature maps act on D, so the other kinds scan in place.)
+        """
+        if self.summary_kind == "max":
+            return prefix(x.transpose(-1, -2).contiguous(), -1).transpose(-1, -2)
+        return prefix(x, -2)
+
     def pool_excluding_own(self, x, prefix) -> torch.Tensor:
         """For each t along axis -2 (T >= 2), the pool of all positions except t, ``(..., T, D)``."""
-        before_incl = prefix(x, -2)
+        before_incl = self.running_pool(x, prefix)
         if self.summary.reduce == "max":
-            after_incl = prefix(x.flip(-2), -2).flip(-2)
+            after_incl = self.running_pool(x.flip(-2), prefix).flip(-2)
             fill = torch.full_like(x[..., :1, :], NEG_INF)
             before = torch.cat([fill, before_incl[..., :-1, :]], -2)
             after = torch.cat([after_incl[..., 1:, :], fill], -2)
@@ -190,6 +266,8 @@ class PooledAxialAttention(Attention):
 
     def joint_softmax(self, groups: list[LogitGroup], qr, qc) -> torch.Tensor:
         """One softmax over the concatenated groups' logits -> output ``(B, H, n, m, D)``."""
+        if not (self.training and self.dropout > 0):
+            return joint_groups_attention(groups, qr, qc)
         logits = torch.cat([g.logits(qr, qc) for g in groups], -1)
         weights = self.weight_dropout(logits.softmax(-1))
         out = None

@@ -51,6 +51,8 @@ class FNetMixing(Attention):
         if norm not in NORMS:
             raise AttentionConfigError(f"attention.norm must be one of {NORMS}, got {norm!r}")
         self.hidden_fft, self.norm = bool(hidden_fft), norm
+        self.normalized_rows = False  # a Fourier transform, not a softmax
+        self.matrix_is_exact = not self.hidden_fft  # the hidden-axis DFT is not one (L, L) matrix
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B, H, L, D = v.shape

@@ -30,6 +30,8 @@ class LinformerAttention(Attention):
         seq_len: required, the length the projections are built for (longest accepted input).
     """
 
+    normalized_rows = False  # the exact operator includes a non-softmax part (see docstring)
+
     supports_causal = False
     has_parameters = True
 

@@ -58,6 +58,8 @@ class NystromAttention(Attention):
         seed: seeds the convolution's initialization.
     """
 
+    normalized_rows = False  # the exact operator includes a non-softmax part (see docstring)
+
     supports_causal = False
 
     def __init__(
@@ -93,12 +95,27 @@ class NystromAttention(Attention):
         b_k = (q_land @ k.transpose(-1, -2)).softmax(-1)
         return f_q, iterative_pinv(a, self.pinv_iterations), b_k
 
-    def residual(self, v: torch.Tensor) -> torch.Tensor:
-        """Depthwise 'same' convolution of values along the sequence, per head: ``(B, H, L, D)``."""
+    def band(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        """``(H, rows, cols)`` convolution weights: ``band[h, i, j] = w[h, j - i]`` for ``0 <= j - i < taps``."""
+        device = self.conv.device
+        tap = torch.arange(cols, device=device).unsqueeze(0) - torch.arange(rows, device=device).unsqueeze(1)
+        inside = (tap >= 0) & (tap < self.conv_kernel)
+        return self.conv.to(dtype)[:, tap.clamp(0, self.conv_kernel - 1)] * inside
+
+    def residual(self, v: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+        """Depthwise 'same' convolution of values along the sequence, per head: ``(B, H, L, D)``.
+
+        Written as one batched matmul of ``(chunk, chunk + taps - 1)`` banded matrices with overlapping
+        windows of the zero-padded values (a strided view): PyTorch's CPU depthwise ``conv1d`` backward
+        is over 10x slower at long L.
+        """
         B, H, L, D = v.shape
-        x = v.permute(0, 3, 1, 2).reshape(B * D, H, L)  # heads as channels, D folded into the batch
-        y = F.conv1d(x, self.conv.to(v.dtype).unsqueeze(1), padding=self.conv_kernel // 2, groups=H)
-        return y.view(B, D, H, L).permute(0, 2, 3, 1)
+        half = self.conv_kernel // 2
+        chunk = min(chunk, L)
+        padded_len = -(-L // chunk) * chunk
+        windows = F.pad(v, (0, 0, half, half + padded_len - L)).unfold(2, chunk + 2 * half, chunk)  # (B, H, n, D, c+2h)
+        out = self.band(chunk, chunk + 2 * half, v.dtype).unsqueeze(1) @ windows.transpose(-1, -2)  # (B, H, n, c, D)
+        return out.reshape(B, H, padded_len, D)[:, :, :L]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         f_q, a_inv, b_k = self._factors(q, k)
@@ -110,11 +127,8 @@ class NystromAttention(Attention):
         p = f_q @ a_inv @ b_k
         if self.conv is not None:
             L, half = q.shape[-2], self.conv_kernel // 2
-            offset = torch.arange(L, device=q.device).unsqueeze(0) - torch.arange(L, device=q.device).unsqueeze(1)  # j - i
-            tap = offset + half  # conv1d is a correlation: out_i = sum_t w_t v_{i + t - half}
-            inside = (tap >= 0) & (tap < self.conv_kernel)
-            band = self.conv.to(q.dtype)[:, tap.clamp(0, self.conv_kernel - 1)] * inside  # (H, L, L)
-            p = p + band
+            # out_i = sum_t w_t v_{i + t - half}; padded column j + half holds tap t = j - i + half
+            p = p + self.band(L, L + 2 * half, q.dtype)[:, :, half : half + L]
         return p
 
     def extra_repr(self) -> str:

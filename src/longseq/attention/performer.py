@@ -2,11 +2,12 @@
 
 Softmax kernel (``kernel=softmax``): with ``x`` = q or k times ``D^(-1/4)`` (together the single 1/sqrt(D)),
 ``phi(x) = m^(-1/2) exp(W x - |x|^2 / 2 - c)``, so ``E[phi(q) . phi(k)] ~ exp(q . k / sqrt(D))``.
-Constant factors cancel in the normalization, so for a query ``m^(-1/2) exp(-|x|^2/2 - c)`` is dropped
-(``c`` = its max projection), and for keys the stabilizer ``c`` is the max exponent over all keys of the
-(batch, head) (detached). ``eps`` is added to the query features only (on the small state, see
-``prefix_sums``): a per-key ``eps`` would not cancel and would let a later key's max leak into earlier
-causal outputs.
+Constant factors cancel in the normalization: a query's features are ``softmax_f(w_f . x)`` (its
+per-query factor dropped), plus ``eps`` relative to their mean ``1/m``; a key's features are
+``exp(w . x - |x|^2/2)`` divided by one detached constant per (batch, head) (the largest key feature
+becomes 1), computed as a unit part times a per-key scale that ``prefix_sums`` applies on the values
+(see ``key_features``). ``eps`` is added to the query features only (on the small state): a per-key
+``eps`` would not cancel and would let a later key's max leak into earlier causal outputs.
 ReLU kernel (``kernel=relu``, the "generalized attention" of the paper): ``phi(x) = relu(W x) + eps``.
 ``W`` ``(m, D)`` is shared by all heads; with ``orthogonal=true`` it stacks ``D x D`` blocks made
 orthogonal by QR of Gaussian matrices, rows rescaled to chi(D)-distributed norms (``row_norms=chi``,
@@ -66,7 +67,7 @@ class PerformerAttention(Attention):
         orthogonal: orthogonal random features (FAVOR+) instead of i.i.d. Gaussian rows.
         row_norms: ``chi`` (Gaussian-like norms) or ``fixed`` (sqrt(D)); only with ``orthogonal``.
         redraw_interval: redraw W every this many training forward calls (0 = never).
-        feature_eps: added to query features (softmax) / all features (relu) for positivity; None = 1e-4 (softmax) / 1e-3 (relu, as in LRA).
+        feature_eps: added to query features relative to their mean (softmax) / to all features (relu), for positivity; None = 1e-4 (softmax) / 1e-3 (relu, as in LRA).
         chunk_size: causal prefix-sum chunk length.
         seed: seeds every draw of W.
     """
@@ -117,41 +118,56 @@ class PerformerAttention(Attention):
         self.draws += 1
         self.projection.copy_(self._draw(int(self.draws)).to(self.projection))
 
-    def features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
-        """Random features ``(B, H, L, m)`` of unscaled queries or keys ``(B, H, L, D)``, up to factors that
-        cancel in the normalization (``m^-1/2``; per-query and per-(batch, head) constants) and without
-        the query ``eps``, which ``query_shift`` adds on the small state (fewer passes over ``(L, m)``)."""
-        x = x * x.shape[-1] ** -0.25
+    def query_features(self, q: torch.Tensor) -> torch.Tensor:
+        """Features ``(B, H, L, m)`` of unscaled queries ``(B, H, L, D)``, up to a per-query factor.
+
+        softmax kernel: ``softmax_f(w_f . x)``, i.e. ``exp(w . x - |x|^2/2)`` times a per-query constant
+        (cancels in the normalization); one fused pass, and its gradient is exact for the same reason.
+        """
+        x = q * q.shape[-1] ** -0.25
         projected = x @ self.projection.to(x.dtype).T  # (B, H, L, m)
         if self.kernel == "relu":
             return F.relu(projected) + self.feature_eps
+        return projected.softmax(-1)
+
+    def key_features(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Features of unscaled keys as ``(unit (B, H, L, m), scale (B, H, L, 1) or None)``.
+
+        softmax kernel: ``phi = exp(w . x - |x|^2/2 - c) = exp(w . x - a) * exp(a - |x|^2/2 - c)`` with
+        ``a`` the key's detached max projection (so ``unit <= 1``) and ``c`` one detached constant per
+        (batch, head) making the largest scale 1 (it cancels, also when causal). The per-key scale is
+        applied on the values by ``prefix_sums`` (cheaper than a pass over ``(L, m)``), and the
+        ``|x|^2/2`` gradient flows through it. No eps on keys: it would not cancel and would let a later
+        key's max leak into earlier causal outputs.
+        """
+        x = k * k.shape[-1] ** -0.25
+        projected = x @ self.projection.to(x.dtype).T
+        if self.kernel == "relu":
+            return F.relu(projected) + self.feature_eps, None
         row_max = projected.detach().amax(-1, keepdim=True)  # (B, H, L, 1)
-        if is_query:
-            # exp(w.x - |x|^2/2) up to the per-query factor exp(-|x|^2/2 - max): cancels per row
-            return torch.exp(projected - row_max)
-        # keys: subtract |x|^2/2 exactly and one detached constant per (batch, head), the max exponent,
-        # so the largest key feature is 1 (no overflow); the constant cancels, also when causal. No eps
-        # on keys: it would not cancel and would let a later key's max leak into earlier causal outputs.
-        half_norm = 0.5 * (x * x).sum(-1, keepdim=True)
-        stabilizer = (row_max - half_norm.detach()).amax(-2, keepdim=True)
-        return torch.exp(projected - (half_norm + stabilizer))
+        log_scale = row_max - 0.5 * (x * x).sum(-1, keepdim=True)
+        log_scale = log_scale - log_scale.detach().amax(-2, keepdim=True)
+        # in place: the matmul's backward does not need its output, and a fresh (L, m) buffer per op
+        # costs page faults on CPU
+        return projected.sub_(row_max).exp_(), torch.exp(log_scale)
 
     def query_shift(self) -> float:
-        """eps added to every query feature (softmax kernel; relu features already include it)."""
-        return self.feature_eps if self.kernel == "softmax" else 0.0
+        """eps on the query features (softmax kernel), relative to their mean 1/m; relu features include it."""
+        return self.feature_eps / self.n_features if self.kernel == "softmax" else 0.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.training and self.redraw_interval > 0:
             if int(self.calls) > 0 and int(self.calls) % self.redraw_interval == 0:
                 self.redraw()
             self.calls += 1
-        phi_q, phi_k = self.features(q, True), self.features(k, False)
+        phi_q, (phi_k, key_scale) = self.query_features(q), self.key_features(k)
         if self.causal:
-            return causal_kernel_attention(phi_q, phi_k, v, self.chunk_size, self.query_shift())
-        return kernel_attention(phi_q, phi_k, v, self.query_shift())
+            return causal_kernel_attention(phi_q, phi_k, v, self.chunk_size, self.query_shift(), key_scale)
+        return kernel_attention(phi_q, phi_k, v, self.query_shift(), key_scale)
 
     def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return kernel_weights(self.features(q, True), self.features(k, False), self.causal, self.query_shift())
+        phi_k, key_scale = self.key_features(k)
+        return kernel_weights(self.query_features(q), phi_k, self.causal, self.query_shift(), key_scale)
 
     def extra_repr(self) -> str:
         return (f"name={self.name}, causal={self.causal}, kernel={self.kernel}, n_features={self.n_features}, "

@@ -23,14 +23,20 @@ def _with_ones(v: torch.Tensor) -> torch.Tensor:
 
 
 def kernel_attention(
-    phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, query_shift: float = 0.0
+    phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, query_shift: float = 0.0,
+    key_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Bidirectional normalized kernel attention, ``O(L F D)``: ``(B, H, L, F)`` x2, ``(B, H, L, D)`` -> ``(B, H, L, D)``.
 
     ``query_shift`` is added to every query feature, applied on the small state instead of on the
-    ``(L, F)`` features (``(phi_q + s) S = phi_q S + s * sum_f S_f``): one pass less over the largest tensor.
+    ``(L, F)`` features (``(phi_q + s) S = phi_q S + s * sum_f S_f``). ``key_scale`` ``(B, H, L, 1)``
+    multiplies every key's features, applied to the ``(L, D+1)`` values instead. Both save passes over
+    the largest tensors.
     """
-    state = phi_k.transpose(-1, -2) @ _with_ones(v)  # (B, H, F, D+1)
+    values = _with_ones(v)
+    if key_scale is not None:
+        values = values * key_scale
+    state = phi_k.transpose(-1, -2) @ values  # (B, H, F, D+1)
     out = phi_q @ state
     if query_shift:
         out = out + query_shift * state.sum(-2, keepdim=True)
@@ -38,18 +44,21 @@ def kernel_attention(
 
 
 def causal_kernel_attention(
-    phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, chunk_size: int = 64, query_shift: float = 0.0
+    phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, chunk_size: int = 64, query_shift: float = 0.0,
+    key_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal normalized kernel attention through chunked prefix sums (see the module docstring).
 
     phi_q, phi_k: ``(B, H, L, F)`` positive features; v: ``(B, H, L, D)`` -> ``(B, H, L, D)``.
-    ``query_shift``: added to every query feature (as in ``kernel_attention``).
+    ``query_shift``, ``key_scale``: as in ``kernel_attention``.
     Any L: the tail is zero-padded to a whole chunk (zero key features add nothing to any sum).
     """
     B, H, L, n_features = phi_q.shape
     C = max(1, min(chunk_size, L))
     pad = (-L) % C
     values = _with_ones(v)
+    if key_scale is not None:
+        values = values * key_scale
     if pad:
         phi_q, phi_k, values = (F.pad(x, (0, 0, 0, pad)) for x in (phi_q, phi_k, values))
     n = (L + pad) // C
@@ -63,14 +72,19 @@ def causal_kernel_attention(
     if query_shift:
         out = out + query_shift * before.sum(-2, keepdim=True)
         within = within + query_shift * fk.sum(-1).unsqueeze(-2)
-    within = within.tril()
+    within = within.tril()  # the key scale rides on vals
     out = out + within @ vals
     out = out.view(B, H, n * C, -1)[:, :, :L]
     return out[..., :-1] / out[..., -1:]
 
 
-def kernel_weights(phi_q: torch.Tensor, phi_k: torch.Tensor, causal: bool, query_shift: float = 0.0) -> torch.Tensor:
+def kernel_weights(
+    phi_q: torch.Tensor, phi_k: torch.Tensor, causal: bool, query_shift: float = 0.0,
+    key_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The normalized weights ``(B, H, L, L)`` that the two functions above apply (small L only)."""
+    if key_scale is not None:
+        phi_k = phi_k * key_scale
     weights = (phi_q + query_shift) @ phi_k.transpose(-1, -2)
     if causal:
         weights = weights.tril()

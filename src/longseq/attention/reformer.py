@@ -136,23 +136,27 @@ class ReformerAttention(Attention):
         def at(table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # table (B, H, L) read at pos (B, H, ...)
             return table.gather(-1, pos.flatten(2)).view(pos.shape)
 
-        # count_ij: in how many rounds r' key j is visible to query i (the same pair may meet in several)
-        count = torch.zeros(logits.shape, dtype=logits.dtype, device=q.device)
-        for r in range(R):  # a handful of hash rounds
-            idx, bucket = sorted_index[:, :, r], buckets[:, :, r]
-            seen = self._visible(at(idx, pos_q).unsqueeze(-1), at(idx, pos_k).unsqueeze(-2),
-                                 at(bucket, pos_q).unsqueeze(-1), at(bucket, pos_k).unsqueeze(-2), chunk, n)
-            count = count + seen.to(count.dtype)
-
-        # visibility in the block's own round
-        def at_own(table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # table (B, H, R, L)
-            return table.gather(-1, pos.flatten(3)).view(pos.shape)
-
-        own_visible = self._visible(at_own(sorted_index, pos_q).unsqueeze(-1), at_own(sorted_index, pos_k).unsqueeze(-2),
-                                    at_own(buckets, pos_q).unsqueeze(-1), at_own(buckets, pos_k).unsqueeze(-2), chunk, n)
         is_self = pos_q.unsqueeze(-1) == pos_k.unsqueeze(-2)
-        logits = logits.masked_fill(is_self, SELF_LOGIT) - count.clamp(min=1).log()
-        logits = logits.masked_fill(~own_visible, float("-inf"))
+        logits = logits.masked_fill(is_self, SELF_LOGIT)
+        if R > 1:
+            # count_ij: in how many rounds key j is visible to query i (the same pair may meet in several)
+            count = torch.zeros(logits.shape, dtype=logits.dtype, device=q.device)
+            for r in range(R):  # a handful of hash rounds
+                idx, bucket = sorted_index[:, :, r], buckets[:, :, r]
+                seen = self._visible(at(idx, pos_q).unsqueeze(-1), at(idx, pos_k).unsqueeze(-2),
+                                     at(bucket, pos_q).unsqueeze(-1), at(bucket, pos_k).unsqueeze(-2), chunk, n)
+                count = count + seen.to(count.dtype)
+            logits = logits - count.clamp(min=1).log()
+
+        if self.causal:  # bidirectional blocks see all their keys; causal ones only the same-bucket window
+            def at_own(table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # table (B, H, R, L)
+                return table.gather(-1, pos.flatten(3)).view(pos.shape)
+
+            own_visible = self._visible(
+                at_own(sorted_index, pos_q).unsqueeze(-1), at_own(sorted_index, pos_k).unsqueeze(-2),
+                at_own(buckets, pos_q).unsqueeze(-1), at_own(buckets, pos_k).unsqueeze(-2), chunk, n,
+            )
+            logits = logits.masked_fill(~own_visible, float("-inf"))
         lse = logits.logsumexp(-1, keepdim=True)  # (B, H, R, n, chunk, 1)
         weights = self.weight_dropout(torch.exp(logits - lse))
         Dv = v.shape[-1]

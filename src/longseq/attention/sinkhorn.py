@@ -106,7 +106,7 @@ class SinkhornAttention(Attention):
         # weight on sorted slot s of block g goes to key (j, s) with P[g, j]
         spread = torch.einsum("bhgqs,bhgj->bhgqjs", w_sorted, sort).reshape(B, H, n, b, L)
         own = torch.zeros_like(spread).view(B, H, n, b, n, b)
-        own[:, :, torch.arange(n), :, torch.arange(n)] = w_own.permute(2, 0, 1, 3, 4)
+        own[:, :, torch.arange(n, device=q.device), :, torch.arange(n, device=q.device)] = w_own.permute(2, 0, 1, 3, 4)
         return (spread + own.view(B, H, n, b, L)).view(B, H, L, L)
 
     def extra_repr(self) -> str:

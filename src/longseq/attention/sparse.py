@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from longseq.attention.base import Attention, AttentionConfigError
+from longseq.attention.base import Attention, AttentionConfigError, append_padding_channel
+from longseq.attention.combiner_mixture import LogitGroup, joint_groups_attention
 from longseq.attention.geometry import Grid, logsparse_keys
 from longseq.attention.registry import register_attention
 
@@ -79,11 +80,25 @@ class SparseAttention(Attention):
             self._cache[key] = build()
         return self._cache[key]
 
-    def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """(B, H, L, L): softmax over the pattern (dense; small L only)."""
+    def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, H, L, L): softmax over the pattern (dense; small L only); padded keys get zero weight."""
+        if key_padding_mask is not None:
+            q, k, v = append_padding_channel(q, k, v, key_padding_mask)
         allowed = self.pattern(q.shape[-2]).to(q.device)
         logits = self.scale(q) @ k.transpose(-1, -2)
         return logits.masked_fill(~allowed, NEG_INF).softmax(-1)
+
+    # Key padding (LRA): every variant here is one softmax of q.k / sqrt(D) over its pattern, so an extra
+    # channel that subtracts a large constant from padded keys' logits (``append_padding_channel``) is exact
+    # and needs no change to the index arithmetic. ``__init_subclass__`` gives each subclass's ``forward``
+    # the ``key_padding_mask`` keyword this way.
+    supports_padding_mask = True
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "forward" in cls.__dict__:
+            cls.forward = _with_key_padding(cls.__dict__["forward"])
 
     def sdpa(self, q, k, v, mask=None) -> torch.Tensor:
         """SDPA on already-scaled ``q`` with this module's dropout; ``mask`` bool (True = may attend)."""
@@ -91,6 +106,19 @@ class SparseAttention(Attention):
         if mask is not None and mask.dim() < 4:  # a 3-D mask sends CPU SDPA to the slow math path
             mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
         return _ContiguousGrad.apply(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0))
+
+
+def _with_key_padding(forward):
+    """Wrap ``forward(q, k, v)`` into ``forward(q, k, v, key_padding_mask=None)`` (see ``SparseAttention``)."""
+
+    def padded_forward(self, q, k, v, key_padding_mask=None):
+        if key_padding_mask is None:
+            return forward(self, q, k, v)
+        return forward(self, *append_padding_channel(q, k, v, key_padding_mask))[..., :-1]
+
+    padded_forward.__doc__, padded_forward.__name__ = forward.__doc__, forward.__name__
+    padded_forward.__wrapped__ = forward
+    return padded_forward
 
 
 def attend_index_table(attn: SparseAttention, q, k, v, idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -226,7 +254,7 @@ class LocalAttention(SparseAttention):
         pad = total - L
 
         def blocks(x: torch.Tensor) -> torch.Tensor:  # (B, H, L, D) -> (B*H, step*n, b, D)
-            x = F.pad(x, (0, 0, 0, pad)).view(B * H, n * b, step, D).transpose(1, 2)
+            x = F.pad(x, (0, 0, 0, pad)).reshape(B * H, n * b, step, D).transpose(1, 2)
             return x.reshape(B * H, step * n, b, D)
 
         qb, kb, vb = blocks(self.scale(q)), blocks(k), blocks(v)
@@ -436,6 +464,12 @@ class StridedAttention(SparseAttention):
         # shifted views of K and V instead of a concatenated (2l or 3l)-wide copy
         shifts = [1, 0] + ([-1] if ahead else [])
         k_rows, v_rows = [shift_rows(kg, s) for s in shifts], [shift_rows(vg, s) for s in shifts]
+        if not (self.training and self.dropout > 0):
+            # No (..., 2l + n) concatenation: each part keeps its layout, one shared max and sum.
+            kc, vc = (x.transpose(2, 3) for x in (kg, vg))
+            groups = [LogitGroup("row", kr, vr, mask) for kr, vr, mask in zip(k_rows, v_rows, band_mask.split(l, -1))]
+            groups.append(LogitGroup("col", kc, vc, col_mask))
+            return joint_groups_attention(groups, qg, qg.transpose(2, 3).contiguous()).reshape(B, H, L, D)
         band_logits = [
             matmul(qg, kr.transpose(-1, -2)).masked_fill(~mask, NEG_INF)
             for kr, mask in zip(k_rows, band_mask.split(l, -1))

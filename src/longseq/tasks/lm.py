@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torchmetrics import MinMetric, SumMetric
 
 from longseq.data.text import IGNORE_INDEX
-from longseq.tasks.base import SequenceTask, to_dict
+from longseq.tasks.base import SequenceTask
 from longseq.tasks.metrics import MeanNLL
 
 METRICS = ("bpc", "ppl")
@@ -23,15 +23,6 @@ METRICS = ("bpc", "ppl")
 def from_nll(nll: torch.Tensor, metric: str) -> torch.Tensor:
     """Mean NLL in nats -> bits per character/byte (``bpc``) or perplexity (``ppl``)."""
     return nll / math.log(2.0) if metric == "bpc" else torch.exp(nll)
-
-
-def text_model_config(model: dict) -> dict:
-    """The backbone config for 1-D text: the image (row/column/channel) position table has no meaning
-    here, so ``pos_emb=image`` (the default of ``model=transformer``) becomes the learned 1-D table."""
-    model = dict(to_dict(model))
-    if model.get("pos_emb") == "image":
-        model["pos_emb"] = "learned"
-    return model
 
 
 class TokenLossTask(SequenceTask):
@@ -46,7 +37,7 @@ class TokenLossTask(SequenceTask):
                  vocab_size: int, seq_len: int, metric: str) -> None:
         if metric not in METRICS:
             raise ValueError(f"task.module.metric={metric!r} is not valid; choose one of {METRICS}")
-        super().__init__(text_model_config(model), attention, optimizer, scheduler, vocab_size=vocab_size,
+        super().__init__(model, attention, optimizer, scheduler, vocab_size=vocab_size,
                          seq_len=seq_len)
         self.metric, self.vocab_size = metric, vocab_size
         self.nll = torch.nn.ModuleDict({split: MeanNLL() for split in ("val", "test")})

@@ -20,13 +20,13 @@ from typing import Union
 
 import numpy as np
 
-from longseq.data.lra.common import PAD_ID, Examples, LraDataModule
+from longseq.data.lra.common import Examples, LraDataModule
 
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
 CLOSE = "]"
 VALUE_P = 0.25  # at depth < max_depth a node is an operator with probability 0.25 (r <= VALUE_P), else a leaf
 SYMBOLS = tuple(str(d) for d in range(10)) + OPERATORS + ("X",)
-VOCAB = {s: i + 1 for i, s in enumerate(SYMBOLS)}  # 0 = PAD
+VOCAB = {s: i + 1 for i, s in enumerate(SYMBOLS)}  # 0 is PAD_ID
 UNK_ID = len(SYMBOLS) + 1
 VOCAB_SIZE = len(SYMBOLS) + 2  # PAD + 15 symbols + UNK
 SPLIT_FILES = {"train": "basic_train.tsv", "val": "basic_val.tsv", "test": "basic_test.tsv"}
@@ -181,5 +181,3 @@ class LraListOpsDataModule(LraDataModule):
         docs, labels = read_split(path)
         return Examples([docs], labels)
 
-
-assert PAD_ID == 0 and 0 not in VOCAB.values()
