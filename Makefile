@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 ARGS    ?=
 
-.PHONY: help install train test test-slow bench lint clean clean-logs
+.PHONY: help install train test test-slow bench data-lra lint clean clean-logs
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -19,14 +19,18 @@ install: $(STAMP)  ## create .venv and install the package with pinned dependenc
 train: $(STAMP)  ## train the default job (digits, full attention, CPU, a few minutes); extra overrides via ARGS="..."
 	$(PY) train.py $(ARGS)
 
-test: $(STAMP)  ## the fast test suite (CPU, minutes)
-	$(PY) -m pytest -q $(ARGS)
+test: $(STAMP)  ## the fast test suite (CPU, a few minutes; two pytest workers)
+	$(PY) -m pytest -q -n 2 $(ARGS)
 
-test-slow: $(STAMP)  ## the slow suite: sweeps, experiments, longer training
-	$(PY) -m pytest -q -m slow $(ARGS)
+test-slow: $(STAMP)  ## the slow suite: every attention through the train.py CLI, longer runs
+	$(PY) -m pytest -q -n 2 -m slow $(ARGS)
 
 bench: $(STAMP)  ## attention speed/memory benchmark (logs/bench/<timestamp>/)
 	$(PY) -m longseq.bench $(ARGS)
+
+data-lra: $(STAMP)  ## generate ListOps + Pathfinder-32 locally into data/lra (seeded; NOT the released LRA splits)
+	$(PY) -m longseq.data.lra.prepare --root data/lra --workers 2
+	$(PY) -m longseq.data.lra.prepare --root data/lra_listops_smoke --only listops --listops-sizes 20000 1000 1000 --listops-max-depth 4 --listops-min-length 20 --listops-max-length 200
 
 lint: $(STAMP)  ## ruff (installed on demand)
 	$(PY) -m pip install --quiet ruff==0.14.*

@@ -85,3 +85,21 @@ def test_accepts_the_backbones_strided_layout(name, causal):
     strided = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v)]
     assert not strided[0].is_contiguous()
     torch.testing.assert_close(attn(*strided), attn(q, k, v), atol=1e-12, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(n for n in ATTENTION_REGISTRY if ATTENTION_REGISTRY[n].cls.supports_causal))
+def test_train_cli_three_steps(name, tmp_path):
+    """The literal acceptance command: ``python train.py task=digits attention=<name> trainer.max_steps=3``."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out = subprocess.run(
+        [sys.executable, "train.py", "task=digits", f"attention={name}", "trainer.max_steps=3",
+         "extras.print_config=false", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "test/bpd" in out.stdout

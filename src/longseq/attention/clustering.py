@@ -17,15 +17,22 @@ the centroids. Two assignments are offered:
 In training, ``update`` moves every centroid toward the mean of the routing vectors assigned to it:
 ``c <- normalize(decay * c + (1 - decay) * mean)`` (exponential moving average, decay 0.999 as in
 Routing Transformer); centroids without members stay put. Eval mode never changes them.
+
+Shared by ``routing`` and ``combiner_routing``: ``ClusteredAttention`` (their common base: knobs, causal
+segment length, assignment, cluster blocks, forward dispatch, dense causal direct mask) and
+``CausalClusterSlots`` (the vectorized causal direct keys: own cluster in earlier segments + own segment).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from longseq.attention.base import AttentionConfigError
+from longseq.attention.base import Attention, AttentionConfigError, divisors
+from longseq.attention.geometry import cluster_order
 
 
 def balanced_assignment(scores: torch.Tensor) -> torch.Tensor:
@@ -165,3 +172,170 @@ class OnlineKMeans(nn.Module):
 
     def extra_repr(self) -> str:
         return f"n_clusters={self.n_clusters}, ema_decay={self.ema_decay}, seed={self.seed}"
+
+
+class ClusteredAttention(Attention):
+    """Geometry shared by the k-means partitions (``routing`` and ``combiner_routing``).
+
+    Subclasses set ``n_clusters`` (K), ``block_size`` and ``causal`` before ``Attention.__init__`` (its
+    length check reads ``requires_len_multiple_of``) and own an ``OnlineKMeans`` as ``kmeans``. Causal
+    keys are clustered per segment of ``segment_len`` positions; queries are routed to their nearest
+    centroid. No ``__init__`` here, so the subclasses' constructor keywords stay the accepted config keys.
+    """
+
+    n_clusters: int
+    block_size: int | None
+    kmeans: OnlineKMeans
+
+    @staticmethod
+    def check_cluster_knobs(n_clusters: int, block_size: int | None) -> None:
+        """Reject a non-positive ``attention.n_clusters`` / ``attention.block_size`` (None allowed)."""
+        if not isinstance(n_clusters, int) or n_clusters < 1:
+            raise AttentionConfigError(f"attention.n_clusters must be a positive integer, got {n_clusters!r}")
+        if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
+            raise AttentionConfigError(f"attention.block_size must be a positive integer or null, got {block_size!r}")
+
+    def requires_len_multiple_of(self) -> int:
+        if self.causal and self.block_size is not None:
+            return math.lcm(self.block_size, self.n_clusters)
+        return self.n_clusters
+
+    def geometry_key(self) -> str:
+        return "attention.block_size / attention.n_clusters" if self.causal else "attention.n_clusters"
+
+    def segment_len(self, length: int) -> int:
+        """Causal segment length M for sequence length L: the smallest multiple of ``block_size`` that K
+        divides; with ``block_size=None`` the multiple of K dividing L closest to sqrt(L)."""
+        K = self.n_clusters
+        if length % K:
+            raise AttentionConfigError(
+                f"attention.n_clusters={K} must divide the sequence length {length}; valid: {divisors(length)}"
+            )
+        if self.block_size is not None:
+            seg = math.lcm(self.block_size, K)
+            if length % seg:
+                raise AttentionConfigError(
+                    f"attention.block_size={self.block_size} with attention.n_clusters={K} needs causal segments "
+                    f"of lcm={seg}, which does not tile length {length}; pick block_size and n_clusters "
+                    f"whose lcm divides {length}"
+                )
+            return seg
+        candidates = [d for d in divisors(length) if d % K == 0]
+        return min(candidates, key=lambda d: (abs(d - math.sqrt(length)), d))
+
+    def assign(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Cluster ids from the keys ``(B, H, L, D)``: ``(key_clusters, query_routes)``, each ``(B, H, L)``.
+
+        Bidirectional: one balanced partition, ``query_routes`` is None (a query's cluster is its own).
+        Causal: key clusters balanced per segment, query routes = nearest centroid.
+        """
+        if not self.causal:
+            return self.kmeans.balanced(k), None
+        return self.kmeans.balanced(k, group=self.segment_len(k.shape[-2])), self.kmeans.nearest(k)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """(B, H, L, D) unscaled q, k, v -> (B, H, L, D) via the subclass's ``_causal`` / ``_bidirectional``;
+        moves the centroids in training."""
+        self.check_length(q.shape[-2])
+        key_clusters, query_routes = self.assign(k)
+        out = self._causal(q, k, v, key_clusters, query_routes) if self.causal else self._bidirectional(q, k, v, key_clusters)
+        self.kmeans.update(k, key_clusters)
+        return out
+
+    def causal_direct_mask(
+        self, key_clusters: torch.Tensor, query_routes: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Dense causal direct keys (reference path, small L): ``(direct, earlier_segment, own_route)``.
+
+        ``direct`` ``(..., L, L)``: own segment up to self, plus (if routed) the key cluster of the query's
+        route in earlier segments; ``earlier_segment`` ``(L, L)``: seg(j) < seg(i); ``own_route``
+        ``(..., L, 1)``: the query's route, K where the query overflowed its centroid.
+        """
+        L, K = key_clusters.shape[-1], self.n_clusters
+        device = key_clusters.device
+        segment = torch.arange(L, device=device) // self.segment_len(L)
+        past = torch.ones(L, L, dtype=torch.bool, device=device).tril()
+        same_segment = segment.unsqueeze(1) == segment.unsqueeze(0)
+        earlier_segment = segment.unsqueeze(0) < segment.unsqueeze(1)
+        routed = cluster_order(query_routes, K)[1] < L // K  # (..., L)
+        own_route = torch.where(routed, query_routes, K).unsqueeze(-1)  # K = "no cluster"
+        direct = past & (same_segment | (earlier_segment & (key_clusters.unsqueeze(-2) == own_route)))
+        return direct, earlier_segment, own_route
+
+    def _blocks(self, order: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
+        """Gather ``(B, H, L, D)`` tensors into cluster blocks ``(B, H, K, S, D)`` along ``order``."""
+        B, H, L, D = xs[0].shape
+        index = order.unsqueeze(-1).expand(B, H, L, D)
+        return [x.gather(2, index).view(B, H, self.n_clusters, L // self.n_clusters, D) for x in xs]
+
+    @staticmethod
+    def _unblock(order: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Cluster-block outputs (any shape holding ``(B, H, L, D)`` in ``order``) back to position order."""
+        B, H, L = order.shape
+        D = out.shape[-1]
+        inverse = torch.empty_like(order).scatter_(2, order, torch.arange(L, device=order.device).expand_as(order))
+        return out.view(B, H, L, D).gather(2, inverse.unsqueeze(-1).expand(B, H, L, D))
+
+
+class CausalClusterSlots:
+    """The direct part of the causal k-means partition, vectorized (``routing`` and ``combiner_routing``).
+
+    Query i in segment g attends directly to its own segment up to itself, plus (if routed) the members of
+    its key cluster in segments < g. Query slots: the first S = L / K queries routed to centroid c take
+    slots c*S + rank in it; the rest overflow into bin K*S (no own-cluster keys).
+
+    Args:
+        query_routes: ``(B, H, L)`` nearest-centroid ids.
+        n_clusters: K.
+        segment_len: causal segment length M.
+    """
+
+    def __init__(self, query_routes: torch.Tensor, n_clusters: int, segment_len: int) -> None:
+        B, H, L = query_routes.shape
+        K, S = n_clusters, L // n_clusters
+        device = query_routes.device
+        self.n_clusters, self.segment_len = K, segment_len
+        _, rank = cluster_order(query_routes, K)
+        self.routed = rank < S  # (B, H, L)
+        self.slot = torch.where(self.routed, query_routes * S + rank, K * S)  # (B, H, L); K*S = overflow bin
+        positions = torch.arange(L, device=device).expand(B, H, L)
+        slot_query = torch.zeros(B, H, K * S + 1, dtype=torch.long, device=device).scatter_(2, self.slot, positions)
+        slot_used = torch.zeros(B, H, K * S + 1, dtype=torch.bool, device=device).scatter_(2, self.slot, True)
+        self.slot_query = slot_query[..., :-1].view(B, H, K, S)  # position of the query in each slot
+        self.slot_used = slot_used[..., :-1].view(B, H, K, S)
+
+    def logits(self, qs: torch.Tensor, k: torch.Tensor, k_blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Direct logits ``(cluster_logits (B, H, L, S), segment_logits (B, H, n, M, M))``.
+
+        qs: ``(B, H, L, D)`` scaled queries; k: ``(B, H, L, D)`` keys; k_blk: ``(B, H, K, S, D)`` key cluster
+        blocks in position order (member t of a cluster lies in segment t // (M / K)). Masked entries are -inf.
+        """
+        B, H, L, D = qs.shape
+        K, M = self.n_clusters, self.segment_len
+        S, n = L // K, L // M
+        device, neg_inf = qs.device, float("-inf")
+        member_segment = torch.arange(S, device=device) // (M // K)  # (S,)
+
+        # own cluster, earlier segments: slot queries x their cluster's block
+        q_slot = qs.gather(2, self.slot_query.view(B, H, K * S, 1).expand(B, H, K * S, D)).view(B, H, K, S, D)
+        cluster_allowed = (member_segment < (self.slot_query // M).unsqueeze(-1)) & self.slot_used.unsqueeze(-1)
+        cluster_logits = (q_slot @ k_blk.transpose(-1, -2)).masked_fill_(~cluster_allowed, neg_inf)  # (B, H, K, S, S)
+        # back to query order; overflow queries read an all -inf row
+        cluster_logits = torch.cat([cluster_logits.view(B, H, K * S, S), cluster_logits.new_full((B, H, 1, S), neg_inf)], 2)
+        cluster_logits = cluster_logits.gather(2, self.slot.unsqueeze(-1).expand(B, H, L, S))
+
+        # own segment up to self
+        q_seg, k_seg = qs.view(B, H, n, M, D), k.view(B, H, n, M, D)
+        causal = torch.ones(M, M, dtype=torch.bool, device=device).tril()
+        segment_logits = (q_seg @ k_seg.transpose(-1, -2)).masked_fill_(~causal, neg_inf)
+        return cluster_logits, segment_logits
+
+    def cluster_output(self, w_cluster: torch.Tensor, v_blk: torch.Tensor) -> torch.Tensor:
+        """Own-cluster part of the output: weights ``(B, H, L, S)`` x value blocks ``(B, H, K, S, D)`` ->
+        ``(B, H, L, D)`` in query order (zero for overflow queries)."""
+        B, H, K, S, D = v_blk.shape
+        L = w_cluster.shape[2]
+        w_slot = w_cluster.gather(2, self.slot_query.view(B, H, K * S, 1).expand(B, H, K * S, S)).view(B, H, K, S, S)
+        out_slot = (w_slot.masked_fill(~self.slot_used.unsqueeze(-1), 0.0) @ v_blk).view(B, H, K * S, D)
+        out_slot = torch.cat([out_slot, out_slot.new_zeros(B, H, 1, D)], 2)
+        return out_slot.gather(2, self.slot.unsqueeze(-1).expand(B, H, L, D))

@@ -37,20 +37,17 @@ differentiable (ids only); gradients flow through q, k, v of every used logit, p
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
-from longseq.attention.base import Attention, AttentionConfigError, divisors
-from longseq.attention.clustering import OnlineKMeans
+from longseq.attention.clustering import CausalClusterSlots, ClusteredAttention, OnlineKMeans
 from longseq.attention.geometry import cluster_order
 from longseq.attention.registry import register_attention
 from longseq.attention.summary import RegionSummary
 
 
 @register_attention("combiner_routing")
-class CombinerRoutingAttention(Attention):
+class CombinerRoutingAttention(ClusteredAttention):
     """Combiner-Learnable: own k-means cluster direct, one summary per other cluster (see module doc).
 
     Args:
@@ -79,10 +76,7 @@ class CombinerRoutingAttention(Attention):
         head_dim: int | None = None,
         dropout: float = 0.0,
     ) -> None:
-        if not isinstance(n_clusters, int) or n_clusters < 1:
-            raise AttentionConfigError(f"attention.n_clusters must be a positive integer, got {n_clusters!r}")
-        if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
-            raise AttentionConfigError(f"attention.block_size must be a positive integer or null, got {block_size!r}")
+        self.check_cluster_knobs(n_clusters, block_size)
         self.n_clusters = n_clusters
         self.block_size = block_size
         self.causal = bool(causal)  # read by requires_len_multiple_of during the base constructor
@@ -93,45 +87,7 @@ class CombinerRoutingAttention(Attention):
         self.has_parameters = self.summary.has_parameters
         self.kmeans = OnlineKMeans(n_clusters, n_heads=n_heads, head_dim=head_dim, ema_decay=ema_decay, seed=seed)
 
-    # -- geometry ---------------------------------------------------------------------------------
-    def requires_len_multiple_of(self) -> int:
-        if self.causal and self.block_size is not None:
-            return math.lcm(self.block_size, self.n_clusters)
-        return self.n_clusters
-
-    def geometry_key(self) -> str:
-        return "attention.block_size / attention.n_clusters" if self.causal else "attention.n_clusters"
-
-    def segment_len(self, length: int) -> int:
-        """Causal segment length M for sequence length L (see the module docstring)."""
-        K = self.n_clusters
-        if length % K:
-            raise AttentionConfigError(
-                f"attention.n_clusters={K} must divide the sequence length {length}; valid: {divisors(length)}"
-            )
-        if self.block_size is not None:
-            seg = math.lcm(self.block_size, K)
-            if length % seg:
-                raise AttentionConfigError(
-                    f"attention.block_size={self.block_size} with attention.n_clusters={K} needs causal segments "
-                    f"of lcm={seg}, which does not tile length {length}; pick block_size and n_clusters "
-                    f"whose lcm divides {length}"
-                )
-            return seg
-        candidates = [d for d in divisors(length) if d % K == 0]
-        return min(candidates, key=lambda d: (abs(d - math.sqrt(length)), d))
-
-    # -- clustering -------------------------------------------------------------------------------
-    def assign(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Cluster ids from the keys ``(B, H, L, D)``: ``(key_clusters, query_routes)``, each ``(B, H, L)``.
-
-        Bidirectional: one balanced partition, ``query_routes`` is None (a query's cluster is its own).
-        Causal: key clusters balanced per segment, query routes = nearest centroid.
-        """
-        if not self.causal:
-            return self.kmeans.balanced(k), None
-        return self.kmeans.balanced(k, group=self.segment_len(k.shape[-2])), self.kmeans.nearest(k)
-
+    # -- clustering (geometry, ``assign``: ``ClusteredAttention``) ----------------------------------
     def partition(
         self, key_clusters: torch.Tensor, query_routes: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,8 +101,7 @@ class CombinerRoutingAttention(Attention):
         ``regions`` ``(..., L, K, L)`` bool (members of the region that query i sees as cluster c's summary;
         all False where that summary is not used).
         """
-        L, K = key_clusters.shape[-1], self.n_clusters
-        device = key_clusters.device
+        K, device = self.n_clusters, key_clusters.device
         clusters = torch.arange(K, device=device)
         in_cluster = key_clusters.unsqueeze(-2) == clusters.unsqueeze(-1)  # (..., K, L): j in cluster c
         if not self.causal:
@@ -156,13 +111,7 @@ class CombinerRoutingAttention(Attention):
             return direct, regions
         if query_routes is None:
             raise ValueError("causal partition needs query_routes")
-        segment = torch.arange(L, device=device) // self.segment_len(L)
-        past = torch.ones(L, L, dtype=torch.bool, device=device).tril()
-        same_segment = segment.unsqueeze(1) == segment.unsqueeze(0)
-        earlier_segment = segment.unsqueeze(0) < segment.unsqueeze(1)  # (L, L): seg(j) < seg(i)
-        routed = cluster_order(query_routes, K)[1] < L // K  # (..., L)
-        own_route = torch.where(routed, query_routes, K).unsqueeze(-1)  # K = "no cluster"
-        direct = past & (same_segment | (earlier_segment & (key_clusters.unsqueeze(-2) == own_route)))
+        direct, earlier_segment, own_route = self.causal_direct_mask(key_clusters, query_routes)
         regions = (
             earlier_segment.unsqueeze(-2)  # (L, 1, L)
             & in_cluster.unsqueeze(-3)  # (..., 1, K, L)
@@ -170,20 +119,7 @@ class CombinerRoutingAttention(Attention):
         )
         return direct, regions
 
-    # -- forward ----------------------------------------------------------------------------------
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """(B, H, L, D) unscaled q, k, v -> (B, H, L, D); updates the centroids in training."""
-        key_clusters, query_routes = self.assign(k)
-        out = self._causal(q, k, v, key_clusters, query_routes) if self.causal else self._bidirectional(q, k, v, key_clusters)
-        self.kmeans.update(k, key_clusters)
-        return out
-
-    def _blocks(self, order: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
-        """Gather ``(B, H, L, D)`` tensors into cluster blocks ``(B, H, K, S, D)`` along ``order``."""
-        B, H, L, D = xs[0].shape
-        index = order.unsqueeze(-1).expand(B, H, L, D)
-        return [x.gather(2, index).view(B, H, self.n_clusters, L // self.n_clusters, D) for x in xs]
-
+    # -- forward (``ClusteredAttention.forward`` dispatches here) --------------------------------
     def _bidirectional(self, q, k, v, clusters):
         B, H, L, D = q.shape
         K, S = self.n_clusters, L // self.n_clusters
@@ -204,8 +140,7 @@ class CombinerRoutingAttention(Attention):
             mask = torch.cat([torch.ones(K, S, S, dtype=torch.bool, device=q.device), other], -1).unsqueeze(0)
         fold = lambda x: x.reshape(B * H, K, x.shape[3], D)  # noqa: E731  blocks in the SDPA "heads" slot
         out = F.scaled_dot_product_attention(fold(q_blk), fold(keys), fold(values), attn_mask=mask, dropout_p=p, scale=1.0)
-        inverse = torch.empty_like(order).scatter_(2, order, torch.arange(L, device=q.device).expand_as(order))
-        return out.view(B, H, L, D).gather(2, inverse.unsqueeze(-1).expand(B, H, L, D))
+        return self._unblock(order, out)
 
     def _causal(self, q, k, v, key_clusters, query_routes):
         B, H, L, D = q.shape
@@ -220,27 +155,9 @@ class CombinerRoutingAttention(Attention):
         q_blk, k_blk, v_blk = self._blocks(order, qs, k, v)  # (B, H, K, S, D)
         member_segment = torch.arange(S, device=device) // per_segment  # (S,)
 
-        # query slots: the first S queries routed to centroid c take slots c*S + rank; the rest overflow
-        _, rank = cluster_order(query_routes, K)
-        routed = rank < S
-        slot = torch.where(routed, query_routes * S + rank, K * S)  # (B, H, L); K*S = overflow bin
-        positions = torch.arange(L, device=device).expand(B, H, L)
-        slot_query = torch.zeros(B, H, K * S + 1, dtype=torch.long, device=device).scatter_(2, slot, positions)[..., :-1]
-        slot_used = torch.zeros(B, H, K * S + 1, dtype=torch.bool, device=device).scatter_(2, slot, True)[..., :-1]
-        slot_query, slot_used = slot_query.view(B, H, K, S), slot_used.view(B, H, K, S)
-
-        # direct, own cluster in earlier segments: slot queries x their cluster's block
-        q_slot = qs.gather(2, slot_query.view(B, H, K * S, 1).expand(B, H, K * S, D)).view(B, H, K, S, D)
-        cluster_allowed = (member_segment < (slot_query // M).unsqueeze(-1)) & slot_used.unsqueeze(-1)
-        cluster_logits = (q_slot @ k_blk.transpose(-1, -2)).masked_fill_(~cluster_allowed, neg_inf)  # (B, H, K, S, S)
-        # back to query order; overflow queries read an all -inf row
-        cluster_logits = torch.cat([cluster_logits.view(B, H, K * S, S), cluster_logits.new_full((B, H, 1, S), neg_inf)], 2)
-        cluster_logits = cluster_logits.gather(2, slot.unsqueeze(-1).expand(B, H, L, S))  # (B, H, L, S)
-
-        # direct, own segment up to self
-        q_seg, k_seg, v_seg = (x.view(B, H, n, M, D) for x in (qs, k, v))
-        causal = torch.ones(M, M, dtype=torch.bool, device=device).tril()
-        segment_logits = (q_seg @ k_seg.transpose(-1, -2)).masked_fill_(~causal, neg_inf)  # (B, H, n, M, M)
+        # direct: own cluster in earlier segments (via query slots) | own segment up to self
+        slots = CausalClusterSlots(query_routes, K, M)
+        cluster_logits, segment_logits = slots.logits(qs, k, k_blk)  # (B, H, L, S), (B, H, n, M, M)
 
         # summaries of R(c, g) = first g*M/K members of cluster c = its chunks of segments < g:
         # pool each (cluster, segment) chunk, run the pool over segments, shift by one segment
@@ -250,8 +167,8 @@ class CombinerRoutingAttention(Attention):
         inner_allowed[0] = True  # R(c, 0) is empty: its logit is masked below; keep this softmax finite
         inner = (q_bar @ k_blk.transpose(-1, -2)).masked_fill_(~inner_allowed, neg_inf).softmax(-1)
         v_bar = (inner @ v_blk).transpose(2, 3)  # (B, H, n, K, D)
-        summary_logits = q_seg @ k_bar.permute(0, 1, 3, 4, 2)  # (B, H, n, M, K)
-        own_route = torch.where(routed, query_routes, K).view(B, H, n, M, 1)
+        summary_logits = qs.view(B, H, n, M, D) @ k_bar.permute(0, 1, 3, 4, 2)  # (B, H, n, M, K)
+        own_route = torch.where(slots.routed, query_routes, K).view(B, H, n, M, 1)
         summary_allowed = (torch.arange(K, device=device) != own_route) & (
             torch.arange(n, device=device) > 0
         ).view(n, 1, 1)
@@ -262,12 +179,9 @@ class CombinerRoutingAttention(Attention):
         weights = self.weight_dropout(logits.softmax(-1))
         w_cluster, w_segment, w_summary = weights.split([S, M, K], -1)
 
-        out = (w_segment.view(B, H, n, M, M) @ v_seg).view(B, H, L, D)
+        out = (w_segment.view(B, H, n, M, M) @ v.view(B, H, n, M, D)).view(B, H, L, D)
         out = out + (w_summary.view(B, H, n, M, K) @ v_bar).view(B, H, L, D)
-        w_slot = w_cluster.gather(2, slot_query.view(B, H, K * S, 1).expand(B, H, K * S, S)).view(B, H, K, S, S)
-        out_slot = (w_slot.masked_fill(~slot_used.unsqueeze(-1), 0.0) @ v_blk).view(B, H, K * S, D)
-        out_slot = torch.cat([out_slot, out_slot.new_zeros(B, H, 1, D)], 2)
-        return out + out_slot.gather(2, slot.unsqueeze(-1).expand(B, H, L, D))
+        return out + slots.cluster_output(w_cluster, v_blk)
 
     def _segment_prefix(self, features: torch.Tensor, n: int) -> torch.Tensor:
         """Pool of each cluster's members in segments < g, for g = 0..n-1 (g = 0: a placeholder).

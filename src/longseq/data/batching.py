@@ -1,6 +1,10 @@
-"""Global-batch arithmetic shared by every datamodule."""
+"""Global-batch arithmetic and split loaders shared by the datamodules."""
 
 from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch.utils.data import DataLoader, Dataset
 
 
 def per_device_batch_size(global_batch: int, world_size: int, accumulate: int = 1, key: str = "task.data.batch_size") -> int:
@@ -15,3 +19,54 @@ def per_device_batch_size(global_batch: int, world_size: int, accumulate: int = 
             f"accumulate_grad_batches = {world_size} x {accumulate} = {denom}"
         )
     return global_batch // denom
+
+
+def device_batches(trainer: Any, batch_size: int, eval_batch_size: int, accumulate: int) -> tuple[int, int, int, int]:
+    """``(world_size, rank, device_batch, device_eval_batch)`` for a datamodule's ``setup``.
+
+    Without a trainer (a datamodule used on its own) it is one process of rank 0. The train batch is split
+    over devices and accumulation steps, the eval batch over devices only.
+    """
+    world_size = trainer.world_size if trainer is not None else 1
+    rank = trainer.global_rank if trainer is not None else 0
+    device_batch = per_device_batch_size(batch_size, world_size, accumulate)
+    device_eval_batch = per_device_batch_size(eval_batch_size, world_size, 1, key="task.data.eval_batch_size")
+    return world_size, rank, device_batch, device_eval_batch
+
+
+class SplitLoaders:
+    """Train / val / test loaders for a LightningDataModule holding one map-style dataset per split.
+
+    Mix in before ``LightningDataModule``. The host sets ``datasets`` (split name -> Dataset),
+    ``device_batch``, ``device_eval_batch`` and ``num_workers``, and may override ``collate_fn``. Train
+    batches are shuffled and drop the last partial batch; eval batches keep order and every example.
+    """
+
+    datasets: dict[str, Dataset]
+    device_batch: int
+    device_eval_batch: int
+    num_workers: int
+
+    def collate_fn(self) -> Callable | None:
+        """Collate function of every loader; None: the DataLoader default."""
+        return None
+
+    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+        return DataLoader(
+            self.datasets[split],
+            batch_size=self.device_batch if split == "train" else self.device_eval_batch,
+            shuffle=shuffle,
+            drop_last=shuffle,
+            collate_fn=self.collate_fn(),
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", shuffle=False)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from longseq.data.batching import per_device_batch_size
+from longseq.data.batching import device_batches
 from longseq.data.text import (BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, EvalShardSampler, load_hf_split,
                                load_sentencepiece, stream_dtype, train_sentencepiece)
 
@@ -204,12 +204,9 @@ class C4MLMDataModule(L.LightningDataModule):
             tmp.rename(path)
 
     def setup(self, stage: str | None = None) -> None:
-        trainer = self.trainer
-        self.world_size = trainer.world_size if trainer is not None else 1
-        self.rank = trainer.global_rank if trainer is not None else 0
-        self.device_batch = per_device_batch_size(self.batch_size, self.world_size, self.accumulate_grad_batches)
-        self.device_eval_batch = per_device_batch_size(self.eval_batch_size, self.world_size, 1,
-                                                       key="task.data.eval_batch_size")
+        self.world_size, self.rank, self.device_batch, self.device_eval_batch = device_batches(
+            self.trainer, self.batch_size, self.eval_batch_size, self.accumulate_grad_batches
+        )
         self.prepare_data()
         self.pieces = load_sentencepiece(self.spm_path).get_piece_size()
         if self.pieces > self.vocab_size:

@@ -12,9 +12,9 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
-from longseq.data.batching import per_device_batch_size
+from longseq.data.batching import SplitLoaders, device_batches
 
 
 def images_to_tokens(images: np.ndarray) -> torch.Tensor:
@@ -29,7 +29,7 @@ def tokens_to_images(tokens: torch.Tensor, image_shape: tuple[int, int, int]) ->
     return tokens.reshape(tokens.shape[0], *image_shape)
 
 
-class ImageDensityDataModule(L.LightningDataModule):
+class ImageDensityDataModule(SplitLoaders, L.LightningDataModule):
     """Base class: subclasses implement ``load_split(split) -> (N, H, W, C) uint8/int array``.
 
     Args:
@@ -75,9 +75,9 @@ class ImageDensityDataModule(L.LightningDataModule):
         """Download (rank 0 only) when the dataset supports it; default: nothing to do."""
 
     def setup(self, stage: str | None = None) -> None:
-        world = self.trainer.world_size if self.trainer is not None else 1
-        self.device_batch = per_device_batch_size(self.batch_size, world, self.accumulate_grad_batches)
-        self.device_eval_batch = per_device_batch_size(self.eval_batch_size, world, 1, key="task.data.eval_batch_size")
+        _, _, self.device_batch, self.device_eval_batch = device_batches(
+            self.trainer, self.batch_size, self.eval_batch_size, self.accumulate_grad_batches
+        )
         for split in self.splits:
             if split not in self.datasets:
                 images = self.load_split(split)
@@ -87,25 +87,6 @@ class ImageDensityDataModule(L.LightningDataModule):
                         f"expected {tuple(self.image_shape)}"
                     )
                 self.datasets[split] = TensorDataset(images_to_tokens(images))
-
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        return DataLoader(
-            self.datasets[split],
-            batch_size=self.device_batch if split == "train" else self.device_eval_batch,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            drop_last=shuffle,
-            persistent_workers=self.num_workers > 0,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val", shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test", shuffle=False)
 
 
 class DigitsDataModule(ImageDensityDataModule):

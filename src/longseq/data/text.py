@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from longseq.data.batching import per_device_batch_size
+from longseq.data.batching import device_batches
 
 SPLITS = ("train", "val", "test")
 HF_SPLIT_NAMES = {"train": "train", "val": "validation", "test": "test"}
@@ -155,12 +155,9 @@ class TokenStreamDataModule(L.LightningDataModule):
         raise NotImplementedError
 
     def setup(self, stage: str | None = None) -> None:
-        trainer = self.trainer
-        self.world_size = trainer.world_size if trainer is not None else 1
-        self.rank = trainer.global_rank if trainer is not None else 0
-        self.device_batch = per_device_batch_size(self.batch_size, self.world_size, self.accumulate_grad_batches)
-        self.device_eval_batch = per_device_batch_size(self.eval_batch_size, self.world_size, 1,
-                                                       key="task.data.eval_batch_size")
+        self.world_size, self.rank, self.device_batch, self.device_eval_batch = device_batches(
+            self.trainer, self.batch_size, self.eval_batch_size, self.accumulate_grad_batches
+        )
         for split in SPLITS:
             if split not in self.streams:
                 stream = self.load_split(split)

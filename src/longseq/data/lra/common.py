@@ -8,9 +8,9 @@ from typing import Sequence
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-from longseq.data.batching import per_device_batch_size
+from longseq.data.batching import SplitLoaders, device_batches
 
 PAD_ID = 0  # LRA pads with token id 0; byte and symbol vocabularies start at 1
 SPLITS = ("train", "val", "test")
@@ -72,7 +72,7 @@ class PadCollate:
         return (*out, torch.tensor(labels, dtype=torch.long))
 
 
-class LraDataModule(L.LightningDataModule):
+class LraDataModule(SplitLoaders, L.LightningDataModule):
     """Base class: subclasses implement ``load_split(split) -> Examples`` (split = train / val / test).
 
     Args:
@@ -121,9 +121,9 @@ class LraDataModule(L.LightningDataModule):
         )
 
     def setup(self, stage: str | None = None) -> None:
-        world = self.trainer.world_size if self.trainer is not None else 1
-        self.device_batch = per_device_batch_size(self.batch_size, world, self.accumulate_grad_batches)
-        self.device_eval_batch = per_device_batch_size(self.eval_batch_size, world, 1, key="task.data.eval_batch_size")
+        _, _, self.device_batch, self.device_eval_batch = device_batches(
+            self.trainer, self.batch_size, self.eval_batch_size, self.accumulate_grad_batches
+        )
         for split in SPLITS:
             if split not in self.datasets:
                 examples = self.load_split(split)
@@ -133,22 +133,5 @@ class LraDataModule(L.LightningDataModule):
                     raise ValueError(f"{type(self).__name__}: split '{split}' is empty (task.data.root={self.root})")
                 self.datasets[split] = examples
 
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        return DataLoader(
-            self.datasets[split],
-            batch_size=self.device_batch if split == "train" else self.device_eval_batch,
-            shuffle=shuffle,
-            drop_last=shuffle,
-            collate_fn=PadCollate(self.max_length, self.pad_to_longest, self.pad_multiple),
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val", shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test", shuffle=False)
+    def collate_fn(self) -> PadCollate:
+        return PadCollate(self.max_length, self.pad_to_longest, self.pad_multiple)
