@@ -33,7 +33,7 @@ data-lra: $(STAMP)  ## generate ListOps + Pathfinder-32 locally into data/lra (s
 	$(PY) -m longseq.data.lra.prepare --root data/lra_listops_smoke --only listops --listops-sizes 20000 1000 1000 --listops-max-depth 4 --listops-min-length 20 --listops-max-length 200
 
 lint: $(STAMP)  ## ruff (installed on demand)
-	$(PY) -m pip install --quiet ruff==0.14.*
+	$(PY) -m pip install --quiet ruff==0.17.*
 	$(PY) -m ruff check src tests train.py eval.py
 
 clean:  ## remove caches and build leftovers (keeps .venv, data/ and logs/)

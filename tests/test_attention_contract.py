@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omegaconf import OmegaConf
-
 from attention_checks import assert_no_future, assert_rows_sum_to_one, random_qkv
 from conftest import CONF
+from omegaconf import OmegaConf
+
 from longseq.attention import ATTENTION_REGISTRY, build_attention
 from longseq.runner import train
 

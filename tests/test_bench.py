@@ -19,8 +19,15 @@ from omegaconf import OmegaConf
 
 from longseq.bench.__main__ import apply_preset
 from longseq.bench.cell import CellSpec, measure_cell, run_isolated
-from longseq.bench.specs import (CONF_DIR, GENERIC_NAMES, build_spec, quick_names, registered_names,
-                                 select_attentions, synthetic_block_size)
+from longseq.bench.specs import (
+    CONF_DIR,
+    GENERIC_NAMES,
+    build_spec,
+    quick_names,
+    registered_names,
+    select_attentions,
+    synthetic_block_size,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REQUIRED_COLUMNS = ["attention", "length", "mode", "ms", "peak_mem_mb", "ratio_to_full"]

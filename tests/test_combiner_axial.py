@@ -7,8 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
-
 from attention_checks import (
     assert_causal_perturbation,
     assert_no_future,
@@ -17,8 +15,10 @@ from attention_checks import (
     assert_support,
     random_qkv,
 )
+from omegaconf import OmegaConf
+
 from longseq.attention import AttentionConfigError, build_attention
-from longseq.attention.registry import accepted_kwargs, ATTENTION_REGISTRY
+from longseq.attention.registry import ATTENTION_REGISTRY, accepted_kwargs
 
 NAMES = ["combiner_axial", "combiner_axial_vertical", "combiner_axial_horizontal", "combiner_mixture"]
 H, D = 2, 8

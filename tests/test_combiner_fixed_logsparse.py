@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from attention_checks import (
     assert_causal_perturbation,
     assert_clean_partition,
@@ -21,6 +20,7 @@ from attention_checks import (
     matrix_from_forward,
     random_qkv,
 )
+
 from longseq.attention import AttentionConfigError, build_attention
 from longseq.attention.summary import SUMMARY_KINDS
 

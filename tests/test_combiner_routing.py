@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from attention_checks import (
     assert_causal_perturbation,
     assert_no_future,
@@ -14,6 +13,7 @@ from attention_checks import (
     assert_support,
     random_qkv,
 )
+
 from longseq.attention import AttentionConfigError, build_attention
 from longseq.attention.clustering import OnlineKMeans, balanced_assignment
 from longseq.attention.geometry import cluster_order

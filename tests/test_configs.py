@@ -5,13 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import hydra
-import torch
 import pytest
+import torch
+from conftest import CONF, ROOT, compose_config
 from hydra.errors import InstantiationException
 from omegaconf import OmegaConf
 
-from conftest import CONF, ROOT, compose_config
 from longseq.attention import ATTENTION_REGISTRY, AttentionConfigError, build_attention
 from longseq.runner import build_datamodule, build_module, build_trainer, instantiate_group
 

@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from attention_checks import (
     assert_causal_perturbation,
     assert_no_future,
@@ -17,6 +16,7 @@ from attention_checks import (
     matrix_from_forward,
     random_qkv,
 )
+
 from longseq.attention import AttentionConfigError, build_attention
 from longseq.attention.nystrom import iterative_pinv
 from longseq.attention.prefix_sums import causal_kernel_attention, kernel_attention, kernel_weights

@@ -9,15 +9,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
 from conftest import compose_config
+from PIL import Image
+from test_image_data import CIFAR_PER_BATCH, write_cifar10_fixture
+
 from longseq.attention import AttentionConfigError, build_attention
-from longseq.data.lra import (LraImageDataModule, LraListOpsDataModule, LraPathfinderDataModule,
-                              LraRetrievalDataModule, LraTextDataModule, listops, pathfinder)
+from longseq.data.lra import (
+    LraImageDataModule,
+    LraListOpsDataModule,
+    LraPathfinderDataModule,
+    LraRetrievalDataModule,
+    LraTextDataModule,
+    listops,
+    pathfinder,
+)
 from longseq.data.lra.common import PadCollate
 from longseq.runner import build_module, train
-from test_image_data import CIFAR_PER_BATCH, write_cifar10_fixture
 
 # ----------------------------------------------------------------------------------------------------
 # Fixtures written by hand in each released format

@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
-
 from attention_checks import (
     assert_causal_perturbation,
     assert_no_future,
@@ -21,8 +19,10 @@ from attention_checks import (
     dense_masked_attention,
     random_qkv,
 )
+from omegaconf import OmegaConf
+
 from longseq.attention import AttentionConfigError, build_attention
-from longseq.attention.registry import accepted_kwargs, ATTENTION_REGISTRY
+from longseq.attention.registry import ATTENTION_REGISTRY, accepted_kwargs
 
 NAMES = ["local", "strided", "fixed", "logsparse", "axial", "longformer", "bigbird", "random"]
 CONF = Path(__file__).resolve().parents[1] / "conf" / "attention"

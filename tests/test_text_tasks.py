@@ -11,12 +11,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import compose_config
+
 from longseq.data import text as text_data
 from longseq.data.c4 import FIRST_NORMAL_ID, MASK_ID, C4MLMDataModule, bert_mask, pack_segments
-from longseq.data.text import (BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, EvalShardSampler, EvalWindows,
-                               Enwik8DataModule, Text8DataModule, TrainWindows, split_bounds)
+from longseq.data.text import (
+    BOS_ID,
+    EOS_ID,
+    IGNORE_INDEX,
+    PAD_ID,
+    Enwik8DataModule,
+    EvalShardSampler,
+    EvalWindows,
+    Text8DataModule,
+    TrainWindows,
+    split_bounds,
+)
 from longseq.data.wiki40b import Wiki40bDataModule, wiki40b_to_text
 from longseq.data.wikitext import WikiText103DataModule
 from longseq.runner import build_datamodule, build_module, evaluate, train

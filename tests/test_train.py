@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, compose_config
-from longseq.runner import evaluate, train
 from test_image_data import write_cifar10_fixture, write_imagenet64_fixture
+
+from longseq.runner import evaluate, train
 
 
 def test_digits_trains_and_tests_best_checkpoint(make_cfg, tmp_path):

@@ -12,8 +12,14 @@ import torch
 
 from longseq.models.adaptive_softmax import AdaptiveLogSoftmax
 from longseq.models.trams import TramsSpec, kept_indices, key_scores, query_weights, reformulated_keys
-from longseq.models.transformer_xl import (MemorySpec, RelMultiHeadAttention, TransformerXL, attention_mask,
-                                           rel_shift, sinusoid_embedding)
+from longseq.models.transformer_xl import (
+    MemorySpec,
+    RelMultiHeadAttention,
+    TransformerXL,
+    attention_mask,
+    rel_shift,
+    sinusoid_embedding,
+)
 from longseq.tasks.xl_lm import IGNORE_INDEX, StreamSegments
 
 VOCAB, D_MODEL, HEADS, D_HEAD = 23, 16, 2, 8
@@ -328,8 +334,9 @@ def test_stream_segments_cover_every_target_once_and_hf_protocol_drops_segment_e
 
 
 def test_xl_task_trains_and_evaluates_xl_and_trams(make_cfg, tmp_path):
-    from longseq.runner import evaluate, train
     from conftest import compose_config
+
+    from longseq.runner import evaluate, train
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(("def f(x):\n    return x + 1\n" * 200).encode())

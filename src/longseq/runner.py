@@ -115,7 +115,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     except SIGTERMException:
         # Preempted: OnExceptionCheckpoint has written checkpoints/interrupted.ckpt; resume from it.
         log.warning(f"SIGTERM received: saved {output_dir / 'checkpoints' / 'interrupted.ckpt'}; exiting with 143")
-        raise SystemExit(143)
+        raise SystemExit(143) from None
     finally:
         close_loggers()
 

@@ -3,11 +3,11 @@
 Importing this package imports every variant module so that all names are registered.
 """
 
-from longseq.attention.base import Attention, AttentionConfigError
-from longseq.attention.registry import ATTENTION_REGISTRY, build_attention, register_attention
-
 import importlib
 import pkgutil
+
+from longseq.attention.base import Attention, AttentionConfigError
+from longseq.attention.registry import ATTENTION_REGISTRY, build_attention, register_attention
 
 for _info in pkgutil.iter_modules(__path__):
     if _info.name not in {"base", "registry"}:

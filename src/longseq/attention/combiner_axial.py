@@ -36,9 +36,8 @@ direct set and regions, for tests and figures) and ``effective_matrix`` (the den
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -81,7 +80,7 @@ class RegionPartition:
         return self.direct | ((usable.double() @ self.members.double()) > 0)
 
     @classmethod
-    def from_candidates(cls, direct, members, usable, family, anchor) -> "RegionPartition":
+    def from_candidates(cls, direct, members, usable, family, anchor) -> RegionPartition:
         """Drop the empty candidate regions (e.g. "rows above row 0") and keep the rest."""
         keep = members.any(-1)
         return cls(direct, members[keep], usable[:, keep], family[keep], anchor[keep])

@@ -138,7 +138,7 @@ class _JointGroupsAttention(torch.autograd.Function):
         return None, None, grad_q["row"], grad_q["col"], *grad_kv
 
 
-def joint_groups_attention(groups: list["LogitGroup"], q_row: torch.Tensor, q_col: torch.Tensor) -> torch.Tensor:
+def joint_groups_attention(groups: list[LogitGroup], q_row: torch.Tensor, q_col: torch.Tensor) -> torch.Tensor:
     """Dropout-free joint softmax over ``groups`` -> ``(B, H, n, m, Dv)``; q_row/q_col scaled, see ``LogitGroup``."""
     layouts, masks = tuple(g.layout for g in groups), tuple(g.mask for g in groups)
     return _JointGroupsAttention.apply(layouts, masks, q_row, q_col, *[x for g in groups for x in (g.keys, g.values)])

@@ -27,7 +27,7 @@ class Grid:
         return self.n_rows * self.n_cols
 
     @classmethod
-    def of(cls, length: int, block_size: int, key: str = "attention.block_size") -> "Grid":
+    def of(cls, length: int, block_size: int, key: str = "attention.block_size") -> Grid:
         """Grid with ``block_size`` columns; raises naming ``key`` when it does not tile ``length``."""
         if block_size < 1 or length % block_size:
             raise AttentionConfigError(

@@ -91,7 +91,7 @@ class SinkhornAttention(Attention):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B, H, L, D = q.shape
         q_blk, keys, values, mask, _ = self._parts(q, k, v)
-        n, b = q_blk.shape[2], self.block_size
+        n = q_blk.shape[2]
         fold = lambda x: x.reshape(B * H, n, x.shape[3], x.shape[4])  # noqa: E731  blocks in the SDPA "heads" slot
         p = self.dropout if self.training else 0.0
         out = F.scaled_dot_product_attention(fold(q_blk), fold(keys), fold(values), attn_mask=mask, dropout_p=p, scale=1.0)

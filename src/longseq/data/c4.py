@@ -28,8 +28,17 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from longseq.data.batching import device_batches
-from longseq.data.text import (BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, EvalShardSampler, load_hf_split,
-                               load_sentencepiece, stream_dtype, train_sentencepiece)
+from longseq.data.text import (
+    BOS_ID,
+    EOS_ID,
+    IGNORE_INDEX,
+    PAD_ID,
+    EvalShardSampler,
+    load_hf_split,
+    load_sentencepiece,
+    stream_dtype,
+    train_sentencepiece,
+)
 
 MASK_PIECE = "<mask>"
 MASK_ID = 4           # the first control symbol after pad/unk/bos/eos

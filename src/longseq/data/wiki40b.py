@@ -17,8 +17,15 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from longseq.data.text import (EOS_ID, SPLITS, TokenStreamDataModule, load_hf_split, load_sentencepiece,
-                               stream_dtype, train_sentencepiece)
+from longseq.data.text import (
+    EOS_ID,
+    SPLITS,
+    TokenStreamDataModule,
+    load_hf_split,
+    load_sentencepiece,
+    stream_dtype,
+    train_sentencepiece,
+)
 
 MARKERS = ("_START_ARTICLE_", "_START_SECTION_", "_START_PARAGRAPH_")
 

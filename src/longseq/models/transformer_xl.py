@@ -49,7 +49,7 @@ class MemorySpec:
         if self.mem_len < 0:
             raise ValueError(f"memory.mem_len={self.mem_len} must be >= 0")
 
-    def with_(self, **changes) -> "MemorySpec":
+    def with_(self, **changes) -> MemorySpec:
         return replace(self, **changes)
 
 

@@ -145,7 +145,7 @@ class PathfinderSpec:
         return self.distractor_length if self.distractor_length is not None else max(1, self.contour_length // 3)
 
     @classmethod
-    def for_release(cls, resolution: int, difficulty: str) -> "PathfinderSpec":
+    def for_release(cls, resolution: int, difficulty: str) -> PathfinderSpec:
         """LRA's settings for pathfinder32 / pathfinder128 (Path-X) at a difficulty."""
         contour = CONTOUR_LENGTHS[difficulty_dir(difficulty)]
         if resolution == 32:

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
 def download_real_datasets(root: Path) -> None:
     """Try IMDB and CIFAR-10 (the datasets LRA takes from TFDS); log what is missing instead of failing."""
     from longseq.data.cifar10 import Cifar10DataModule
-    from longseq.data.lra.text import HUB_NAME, HUB_CONFIG
+    from longseq.data.lra.text import HUB_CONFIG, HUB_NAME
     from longseq.data.text import load_hf_split
 
     try:
