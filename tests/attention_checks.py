@@ -96,3 +96,44 @@ def assert_region_rank_one(P: torch.Tensor, regions: torch.Tensor, region_allowe
         block = P[..., users, :][..., regions[r]]  # (B, H, |users|, |R|)
         rows = block / block.sum(-1, keepdim=True)
         torch.testing.assert_close(rows, rows[..., :1, :].expand_as(rows), atol=atol, rtol=0)
+
+
+def padding_patterns(L: int, seed: int = 0) -> torch.Tensor:
+    """(6, L) bool key padding masks (True = pad): none, all, a ragged tail, a leading stretch (left
+    padding), an interior stretch, and random positions."""
+    g = torch.Generator().manual_seed(seed)
+    pad = torch.zeros(6, L, dtype=torch.bool)
+    pad[1] = True
+    pad[2, (2 * L) // 3 + 1 :] = True
+    pad[3, : L // 3] = True
+    pad[4, L // 4 : L // 2] = True
+    pad[5] = torch.rand(L, generator=g) < 0.4
+    return pad
+
+
+def assert_combiner_key_padding(attn: Attention, q, k, v, pad: torch.Tensor, atol: float = 1e-10) -> None:
+    """A Combiner variant under key padding ``pad`` (B, L) bool, True = pad (eval mode, fp64).
+
+    ``forward == attention_matrix @ v``, rows sum to one, no future when causal, no weight from a real query
+    on a padded key, full support over the real keys a real query may see, and padded keys' contents
+    (k and v) do not reach real queries' outputs.
+    """
+    attn.eval()
+    B, L = pad.shape
+    P = attn.attention_matrix(q, k, v, key_padding_mask=pad)
+    out = attn(q, k, v, key_padding_mask=pad)
+    torch.testing.assert_close(out, P @ v, atol=atol, rtol=0)
+    assert_rows_sum_to_one(P, atol=atol)
+    allowed = torch.ones(L, L, dtype=torch.bool)
+    if attn.causal:
+        assert_no_future(P)
+        allowed = allowed.tril()
+    real_query = ~pad[:, None, :, None]
+    padded_key = pad[:, None, None, :]
+    assert (P[(real_query & padded_key).expand_as(P)] == 0).all(), "a real query puts weight on a padded key"
+    assert (P[(real_query & ~padded_key & allowed).expand_as(P)] > 0).all(), "a real key lost its weight"
+    k2, v2 = k.clone(), v.clone()
+    k2[pad[:, None, :].expand_as(k[..., 0])] += 3.0
+    v2[pad[:, None, :].expand_as(v[..., 0])] -= 5.0
+    real = ~pad[:, None, :].expand_as(out[..., 0])
+    torch.testing.assert_close(attn(q, k2, v2, key_padding_mask=pad)[real], out[real], atol=atol, rtol=0)

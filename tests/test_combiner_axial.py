@@ -402,3 +402,149 @@ def test_config_files(name):
     knobs = {key: cfg[key] for key in keys - {"causal", "block_size"}}
     attn = build_attention(name, causal=True, block_size=4, n_heads=H, head_dim=D, **knobs)
     assert attn.name == name
+
+
+# -- key padding (LRA): pooled axial variants ------------------------------------------------------------
+PADDED_NAMES = NAMES[1:]  # combiner_axial (row-major) is covered by its owner's tests
+PADDED_CONFIGS = [cfg for cfg in CONFIGS if cfg[0] in PADDED_NAMES]
+
+
+def pad_of(L, positions):
+    pad = torch.zeros(L, dtype=torch.bool)
+    pad[list(positions)] = True
+    return pad
+
+
+# (name, causal, extra, padded positions) -> {query: (direct set, usable regions)} for L = 16, m = 4
+PADDED_EXPECTED = [
+    # column 0 of rows 0-1 padded: V(0) empties for row 2; padded query 4 keeps its (real) regions, no direct key
+    ("combiner_axial_vertical", True, {}, {0, 4, 6}, {
+        9: ({1, 5, 8, 9}, regions({2}, {3, 7})),
+        12: ({8, 12}, regions({1, 5, 9}, {2, 10}, {3, 7, 11})),
+        4: (set(), regions({1}, {2}, {3})),
+        0: ({0}, set()),  # nothing real at all: falls back to its unpadded direct keys
+    }),
+    # last row padded: its horizontal region is unusable; padded query 13 still reads real rows
+    ("combiner_axial_horizontal", False, {}, {5, 12, 13, 14, 15}, {
+        9: ({1, 8, 9, 10, 11}, regions({0, 2, 3}, {4, 6, 7})),
+        13: ({1, 9}, regions({0, 2, 3}, {4, 6, 7}, {8, 10, 11})),
+    }),
+    # row 0 right of column 0 padded: HR(0) empties, V(2) / V(3) shrink
+    ("combiner_mixture", True, {}, {1, 2, 3}, {
+        9: ({5, 8, 9}, regions({0, 4}, {6}, {7}, {0}, {4}, {6, 7})),
+        2: ({0}, set()),
+    }),
+]
+
+
+@pytest.mark.parametrize(
+    "name,causal,extra,padded,expected", PADDED_EXPECTED, ids=lambda x: str(x) if isinstance(x, str) else None
+)
+def test_padded_partition_hand_enumerated(name, causal, extra, padded, expected):
+    part = make(name, causal, 4, **extra).partition(16).without_padding(pad_of(16, padded))
+    for i, view in expected.items():
+        assert query_view(part, i) == view, f"query {i}"
+
+
+def padding_cases(L, m):
+    """(P, L) bool masks (True = pad) that empty whole regions and prefixes on an n x m grid."""
+    n = L // m
+    masks = torch.zeros(6, L, dtype=torch.bool)
+    masks[0, L // 2 + 1 :] = True  # ragged tail
+    masks[1, (n - 1) * m :] = True  # the last row: its horizontal regions and every vertical suffix there empty
+    masks[2, : m + 1] = True  # left padding: every prefix region starts empty
+    masks[3, 0::m] = True  # the first column: its vertical regions are all empty
+    masks[4] = True  # an empty document: every query falls back to its unpadded direct keys
+    masks[5, 1:-1] = True  # only the first and the last position are real
+    return masks
+
+
+@pytest.mark.parametrize("cfg", PADDED_CONFIGS, ids=config_id)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+@pytest.mark.parametrize("L,m", [(12, 3), (16, 4), (8, 2)])
+def test_padded_forward_matches_matrix(cfg, causal, L, m):
+    name, extra = cfg
+    attn = make(name, causal, m, **extra)
+    pad = padding_cases(L, m)
+    B = pad.shape[0]
+    q, k, v = random_qkv(B=B, H=H, L=L, D=D, seed=L + m)
+    P = attn.attention_matrix(q, k, v, key_padding_mask=pad)
+    assert_rows_sum_to_one(P, atol=1e-10)
+    if causal:
+        assert_no_future(P)
+    out = attn(q, k, v, key_padding_mask=pad)
+    torch.testing.assert_close(out, P @ v, atol=1e-10, rtol=0)
+    real_query, padded_key = ~pad[:, None, :, None], pad[:, None, None, :]
+    assert (P[(real_query & padded_key).expand_as(P)] == 0).all()
+    # the empty document: every query sees exactly its unpadded direct keys
+    direct = attn.partition(L).direct
+    assert torch.equal(P[4] > 0, direct.expand_as(P[4]))
+    none = torch.zeros_like(pad)
+    torch.testing.assert_close(attn(q, k, v, key_padding_mask=none), attn(q, k, v), atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        ("combiner_axial_vertical", {}),
+        ("combiner_axial_horizontal", {}),
+        ("combiner_axial_horizontal", {"horizontal_regions": "split"}),
+    ],
+    ids=config_id,
+)  # the mixture's two factorizations overlap, so its blocks are not one region's profile
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+def test_padded_regions_pool_real_keys_only(cfg, causal):
+    """Through the fast path, a region's weights on its real keys follow the softmax of the real-only pool."""
+    L, m = 16, 4
+    name, extra = cfg
+    attn = make(name, causal, m, **extra)
+    pad = pad_of(L, {2, 5, 10})
+    q, k, _ = random_qkv(B=1, H=H, L=L, D=D, seed=3)
+    eye = torch.eye(L, dtype=q.dtype).expand(1, H, L, L)
+    P = attn(q, k, eye, key_padding_mask=pad[None])
+    part = attn.partition(L).without_padding(pad)
+    qs = q / D**0.5
+    checked = 0
+    for R in range(part.members.shape[0]):
+        users, members = part.usable[:, R] & ~pad, part.members[R]
+        if not users.any() or members.sum() < 2:
+            continue
+        block = P[..., users, :][..., members]
+        profile = block / block.sum(-1, keepdim=True)
+        inner = (qs[..., members, :].amax(-2, keepdim=True) @ k[..., members, :].transpose(-1, -2)).softmax(-1)
+        torch.testing.assert_close(profile, inner.expand_as(profile), atol=1e-10, rtol=0)
+        checked += 1
+    assert checked >= 3
+
+
+@pytest.mark.parametrize("cfg", PADDED_CONFIGS, ids=config_id)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+def test_padded_gradcheck(cfg, causal):
+    name, extra = cfg
+    torch.manual_seed(0)
+    attn = build_attention(name, causal=causal, block_size=2, n_heads=1, head_dim=4, **extra).double().eval()
+    q, k, v = random_qkv(B=2, H=1, L=8, D=4, seed=13, requires_grad=True)
+    pad = torch.zeros(2, 8, dtype=torch.bool)
+    pad[0, 5:] = True
+    pad[1, 0::2] = True
+    padded = lambda *x: attn(*x, key_padding_mask=pad)  # noqa: E731
+    assert torch.autograd.gradcheck(padded, (q, k, v), eps=1e-6, atol=1e-6, fast_mode=True)
+
+
+@pytest.mark.parametrize("name", PADDED_NAMES)
+def test_padded_training_with_dropout_ignores_padded_contents(name):
+    """The explicit (dropout) path applies the same padded masks: padded contents never reach a real query."""
+    L, m = 16, 4
+    attn = build_attention(name, causal=False, block_size=m, n_heads=H, head_dim=D, dropout=0.3).double().train()
+    pad = padding_cases(L, m)
+    q, k, v = random_qkv(B=pad.shape[0], H=H, L=L, D=D, seed=8)
+    torch.manual_seed(1)
+    out = attn(q, k, v, key_padding_mask=pad)
+    k2, v2 = k.clone(), v.clone()
+    k2[pad[:, None, :].expand_as(k[..., 0])] += 3.0
+    v2[pad[:, None, :].expand_as(v[..., 0])] -= 5.0
+    torch.manual_seed(1)
+    moved = attn(q, k2, v2, key_padding_mask=pad)
+    assert torch.isfinite(out).all()
+    real = ~pad[:, None, :].expand_as(out[..., 0])
+    torch.testing.assert_close(moved[real], out[real], atol=1e-10, rtol=0)

@@ -11,6 +11,7 @@ import yaml
 from attention_checks import (
     assert_causal_perturbation,
     assert_clean_partition,
+    assert_combiner_key_padding,
     assert_no_future,
     assert_output_matches_matrix,
     assert_region_rank_one,
@@ -18,11 +19,12 @@ from attention_checks import (
     assert_support,
     dense_masked_attention,
     matrix_from_forward,
+    padding_patterns,
     random_qkv,
 )
 
 from longseq.attention import AttentionConfigError, build_attention
-from longseq.attention.summary import SUMMARY_KINDS
+from longseq.attention.summary import SUMMARY_KINDS, padded_partition
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "attention"
 
@@ -286,3 +288,87 @@ def test_fixed_runs_the_fused_sdpa_kernel():
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
     assert "aten::_scaled_dot_product_flash_attention_for_cpu_backward" in ops
     assert "aten::_scaled_dot_product_attention_math" not in ops
+
+
+# -- key padding (combiner_logsparse) ----------------------------------------------------------------
+
+
+def padded_sets_of(attn, L, pad, query):
+    """Like ``sets_of`` but for the padded partition of one document (``padded_partition``)."""
+    direct, regions, region_allowed = padded_partition(*attn.partition(L), pad)
+    direct_keys = set(direct[query].nonzero().flatten().tolist())
+    used = [frozenset(regions[r].nonzero().flatten().tolist()) for r in region_allowed[query].nonzero().flatten()]
+    return direct_keys, sorted(used, key=min)
+
+
+def test_logsparse_padded_partition_by_hand():
+    """L = 16, bidirectional, a 4-token document: blocks beyond it are masked, padded queries keep the real ones."""
+    attn = build("combiner_logsparse", False)
+    pad = torch.arange(16) >= 4
+    assert padded_sets_of(attn, 16, pad, 0) == ({0, 1}, [span(2, 4)])  # [4, 8) and [8, 16) are all padding
+    assert padded_sets_of(attn, 16, pad, 3) == ({2, 3}, [span(0, 2)])
+    assert padded_sets_of(attn, 16, pad, 13) == (set(), [span(0, 4)])  # [0, 8) pools its real members only
+    # causal, left padding: queries 0 and 1 have no real key at all and fall back to their unpadded direct keys
+    attn = build("combiner_logsparse", True)
+    pad = torch.arange(16) < 2
+    assert padded_sets_of(attn, 16, pad, 0) == ({0}, [])
+    assert padded_sets_of(attn, 16, pad, 1) == ({0, 1}, [])
+    assert padded_sets_of(attn, 16, pad, 2) == ({2}, [])  # block [0, 2) is masked
+    assert padded_sets_of(attn, 16, pad, 5) == ({4, 5}, [span(2, 4)])  # [0, 4) pools {2, 3}
+    q, k, v = random_qkv(B=1, L=16, seed=11)
+    out = attn(q, k, v, key_padding_mask=pad[None])
+    torch.testing.assert_close(out[..., 2, :], v[..., 2, :], atol=1e-12, rtol=0)
+    fallback = dense_masked_attention(q[..., :2, :], k[..., :2, :], v[..., :2, :], allowed_keys(2, True))
+    torch.testing.assert_close(out[..., :2, :], fallback, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("summary", SUMMARY_KINDS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("L", [1, 2, 5, 13, 16, 17])
+def test_logsparse_key_padding_contract(L, causal, summary):
+    """fp64: the padded fast path equals the per-document reference for every summary kind, ragged tails,
+    left padding, empty documents and random holes (whole blocks and levels left without a real key)."""
+    attn = build("combiner_logsparse", causal, summary=summary)
+    pad = padding_patterns(L, seed=L)
+    q, k, v = random_qkv(B=pad.shape[0], L=L, seed=L)
+    assert_combiner_key_padding(attn, q, k, v, pad, atol=1e-12)
+    # the matrix the fast path applies (identity values) is the reference matrix, entry by entry
+    eye = torch.eye(L, dtype=q.dtype).expand(pad.shape[0], 2, L, L)
+    torch.testing.assert_close(attn(q, k, eye, key_padding_mask=pad), attn.attention_matrix(q, k, v, key_padding_mask=pad),
+                               atol=1e-12, rtol=0)
+    # an all-False mask takes the padded path and still gives the unpadded result
+    none = torch.zeros_like(pad)
+    torch.testing.assert_close(attn(q, k, v, key_padding_mask=none), attn(q, k, v), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("summary", ["max", "mean"])
+def test_logsparse_padded_tail_is_the_shorter_document(summary):
+    """Causal: a padded tail changes no real query. Bidirectional, L = 16 padded to a real length of 8: the
+    mirrored future blocks past 8 are masked whole, leaving exactly the L = 8 partition."""
+    q, k, v = random_qkv(B=1, L=16, seed=12)
+    pad = (torch.arange(16) >= 8)[None]
+    for causal in (True, False):
+        attn = build("combiner_logsparse", causal, summary=summary)
+        short = attn(q[..., :8, :], k[..., :8, :], v[..., :8, :])
+        torch.testing.assert_close(attn(q, k, v, key_padding_mask=pad)[..., :8, :], short, atol=1e-12, rtol=0)
+    attn = build("combiner_logsparse", True, summary=summary)
+    pad = (torch.arange(16) >= 11)[None]
+    torch.testing.assert_close(attn(q, k, v, key_padding_mask=pad)[..., :11, :], attn(q, k, v)[..., :11, :],
+                               atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("summary", ["max", "mean", "deepsets_max"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_logsparse_padded_gradients(causal, summary):
+    """Training mode: finite gradients, none into padded keys/values from real outputs; gradcheck of the padded path."""
+    attn = build("combiner_logsparse", causal, summary=summary).train()
+    pad = padding_patterns(13, seed=3)
+    q, k, v = random_qkv(B=pad.shape[0], L=13, seed=13, requires_grad=True)
+    attn(q, k, v, key_padding_mask=pad).masked_fill(pad[:, None, :, None], 0).sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+    padded = pad[:, None, :].expand_as(k[..., 0])
+    assert (k.grad[padded] == 0).all() and (v.grad[padded] == 0).all()
+    small = build("combiner_logsparse", causal, summary=summary, head_dim=4)
+    q, k, v = random_qkv(B=2, H=1, L=7, D=4, seed=14, requires_grad=True)
+    pad = torch.tensor([[False, True, False, False, True, True, False], [False] * 4 + [True] * 3])
+    assert torch.autograd.gradcheck(lambda q, k, v: small(q, k, v, key_padding_mask=pad), (q, k, v), eps=1e-6, atol=1e-6)

@@ -7,10 +7,12 @@ import torch
 import torch.nn.functional as F
 from attention_checks import (
     assert_causal_perturbation,
+    assert_combiner_key_padding,
     assert_no_future,
     assert_output_matches_matrix,
     assert_rows_sum_to_one,
     assert_support,
+    padding_patterns,
     random_qkv,
 )
 
@@ -259,3 +261,136 @@ def test_config_errors_name_the_key():
         build_attention("combiner_routing", causal=True, n_clusters=4, block_size=12, seq_len=64)
     with pytest.raises(AttentionConfigError, match="attention.summary"):
         build_attention("combiner_routing", causal=True, n_clusters=4, summary="sum")
+
+
+# -- key padding (LRA) ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("L,K,block", GEOMETRIES)
+def test_key_padding_contract(causal, L, K, block):
+    """fp64, every geometry: forward == per-document ``padded_partition`` reference, no weight on padded keys,
+    full support over the real keys, padded contents unreachable; ragged/left/interior/random/empty documents."""
+    attn = make(causal, K, block)
+    pad = padding_patterns(L, seed=L + K)
+    q, k, v = random_qkv(B=pad.shape[0], L=L, seed=K)
+    assert_combiner_key_padding(attn, q, k, v, pad, atol=1e-12)
+    none = torch.zeros_like(pad)
+    torch.testing.assert_close(attn(q, k, v, key_padding_mask=none), attn(q, k, v), atol=1e-12, rtol=0)
+    torch.testing.assert_close(attn.attention_matrix(q, k, v, key_padding_mask=none), attn.attention_matrix(q, k, v),
+                               atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("summary", ["mean", "deepsets_max", "deepsets_mean"])
+def test_key_padding_other_summaries(causal, summary):
+    torch.manual_seed(0)
+    attn = make(causal, 4, 8, summary=summary)
+    pad = padding_patterns(32, seed=5)
+    assert_combiner_key_padding(attn, *random_qkv(B=pad.shape[0], L=32, seed=6), pad, atol=1e-12)
+
+
+def test_balanced_assignment_places_deferred_positions_last():
+    # real position 0 takes centroid 1; the deferred 1..5 fill the room left (2, 1, 2) in position order
+    scores = torch.tensor([[0.0, 1.0, 0.0]] + [[0.0, 0.0, 1.0]] * 5)
+    deferred = torch.tensor([False] + [True] * 5)
+    assert balanced_assignment(scores, deferred).tolist() == [1, 0, 0, 1, 2, 2]
+    g = torch.Generator().manual_seed(1)
+    scores = torch.randn(2, 3, 24, 4, generator=g)
+    deferred = torch.rand(2, 1, 24, generator=g) < 0.5
+    ids = balanced_assignment(scores, deferred)
+    assert (F.one_hot(ids, 4).sum(-2) == 6).all()
+    # the deferred positions' scores decide nothing
+    moved = torch.where(deferred.unsqueeze(-1), torch.randn(scores.shape, generator=g), scores)
+    assert torch.equal(balanced_assignment(moved, deferred), ids)
+    assert torch.equal(balanced_assignment(scores, torch.zeros_like(deferred)), balanced_assignment(scores))
+
+
+def test_padded_queries_take_no_slot_and_clusters_ignore_padding():
+    attn = make(True, 4, 4)
+    q, k, v = random_qkv(B=1, L=32, seed=7)
+    pad = torch.zeros(1, 32, dtype=torch.bool)
+    pad[0, 3:9] = True
+    key_clusters, routes = attn.assign(k, ~pad)
+    assert (routes[..., pad[0]] == 4).all()  # route K: no centroid
+    torch.testing.assert_close(routes[..., ~pad[0]], attn.kmeans.nearest(k)[..., ~pad[0]], atol=0, rtol=0)
+    assert (F.one_hot(key_clusters.view(1, 2, 8, 4), 4).sum(-2) == 1).all()  # still balanced per segment
+    k2 = k.clone()
+    k2[..., pad[0], :] = torch.randn(1, 2, 6, 8, generator=torch.Generator().manual_seed(8), dtype=k.dtype)
+    key2, routes2 = attn.assign(k2, ~pad)
+    assert torch.equal(key2[..., ~pad[0]], key_clusters[..., ~pad[0]]) and torch.equal(routes2, routes)
+
+
+def test_causal_padding_leaves_earlier_segments_alone():
+    """Causal: queries in the segments before the first padded key give their unpadded outputs."""
+    attn = make(True, 4, 8)
+    q, k, v = random_qkv(L=32, seed=9)
+    pad = (torch.arange(32) >= 21).expand(2, 32)  # first pad in segment 2 = [16, 24)
+    torch.testing.assert_close(attn(q, k, v, key_padding_mask=pad)[..., :16, :], attn(q, k, v)[..., :16, :],
+                               atol=1e-12, rtol=0)
+
+
+def test_hand_checked_padded_output_bidirectional():
+    """L = 8, K = 2, a 5-token document: every real query written out from its clusters' real members."""
+    attn = make(False, 2, None, H=1)
+    q, k, v = random_qkv(B=1, H=1, L=8, seed=10)
+    pad = (torch.arange(8) >= 5)[None]
+    clusters = attn.assign(k, ~pad)[0][0, 0]
+    assert (F.one_hot(clusters, 2).sum(0) == 4).all()
+    out = attn(q, k, v, key_padding_mask=pad)[0, 0]
+    qs, k, v = q[0, 0] / 8**0.5, k[0, 0], v[0, 0]
+    real = ~pad[0]
+    for i in range(5):
+        own, other = (clusters == clusters[i]) & real, (clusters != clusters[i]) & real
+        keys, values = [k[own]], [v[own]]
+        if other.any():
+            q_bar = qs[other].max(0).values
+            keys.append(k[other].max(0).values[None])
+            values.append((torch.softmax(k[other] @ q_bar, 0) @ v[other])[None])
+        w = torch.softmax(torch.cat(keys) @ qs[i], 0)
+        torch.testing.assert_close(out[i], w @ torch.cat(values), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_padded_keys_do_not_move_centroids(causal):
+    """Training: the EMA step averages real keys only, whatever the padded keys hold."""
+    q, k, v = random_qkv(L=32, seed=11)
+    pad = torch.zeros(2, 32, dtype=torch.bool)
+    pad[0, 20:] = True
+    pad[1, :5] = True
+    k2 = k.clone()
+    k2[pad[:, None, :].expand_as(k[..., 0])] = 7.0
+    a, b = make(causal, 4, 8).train(), make(causal, 4, 8).train()
+    before = a.kmeans.centroids.clone()
+    a(q, k, v, key_padding_mask=pad)
+    b(q, k2, v, key_padding_mask=pad)
+    assert not torch.allclose(a.kmeans.centroids, before)
+    torch.testing.assert_close(a.kmeans.centroids, b.kmeans.centroids, atol=0, rtol=0)
+    # = one EMA step toward each cluster's mean over real members
+    clusters = make(causal, 4, 8).assign(k, ~pad)[0]
+    km = OnlineKMeans(4, n_heads=2, head_dim=8).double().train()
+    km.update(k, clusters, (~pad).unsqueeze(1))
+    torch.testing.assert_close(a.kmeans.centroids, km.centroids)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_padded_gradients(causal):
+    attn = make(causal, 4, 8, summary="deepsets_mean").train()
+    pad = padding_patterns(32, seed=12)
+    q, k, v = random_qkv(B=pad.shape[0], L=32, seed=12, requires_grad=True)
+    attn(q, k, v, key_padding_mask=pad).masked_fill(pad[:, None, :, None], 0).sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+    padded = pad[:, None, :].expand_as(k[..., 0])
+    assert (k.grad[padded] == 0).all() and (v.grad[padded] == 0).all()
+    small = make(causal, 2, 4, H=1, D=4)
+    q, k, v = random_qkv(B=1, H=1, L=8, D=4, requires_grad=True, seed=13)
+    mask = torch.tensor([[False, False, True, False, False, True, True, True]])
+    assert torch.autograd.gradcheck(lambda q, k, v: small(q, k, v, key_padding_mask=mask), (q, k, v), eps=1e-6,
+                                    atol=1e-6, fast_mode=True)
+
+
+def test_routing_baseline_rejects_a_padding_mask():
+    attn = build_attention("routing", causal=False, n_clusters=4)
+    q, k, v = random_qkv(L=16)
+    with pytest.raises(AttentionConfigError, match="key_padding_mask"):
+        attn(q, k, v, key_padding_mask=torch.zeros(2, 16, dtype=torch.bool))

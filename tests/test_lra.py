@@ -13,7 +13,7 @@ from conftest import compose_config
 from PIL import Image
 from test_image_data import CIFAR_PER_BATCH, write_cifar10_fixture
 
-from longseq.attention import AttentionConfigError, build_attention
+from longseq.attention import ATTENTION_REGISTRY, AttentionConfigError, build_attention
 from longseq.data.lra import (
     LraImageDataModule,
     LraListOpsDataModule,
@@ -209,11 +209,11 @@ def test_fast_dev_run(task, make_cfg, tmp_path):
 
 
 def test_padded_task_rejects_attention_without_padding_support(tmp_path):
-    cfg = compose_config(["task=lra_listops", "attention=combiner_axial", "task.seq_len=64"], tmp_path)
-    with pytest.raises(AttentionConfigError, match="'combiner_axial' does not support key_padding_mask.*task=lra_listops"):
+    cfg = compose_config(["task=lra_listops", "attention=performer", "task.seq_len=64"], tmp_path)
+    with pytest.raises(AttentionConfigError, match="'performer' does not support key_padding_mask.*task=lra_listops"):
         build_module(cfg)
-    cfg = compose_config(["task=lra_pathfinder", "attention=combiner_axial"], tmp_path)  # fixed length: no mask
-    assert build_module(cfg).net.blocks[0].attn.attention.name == "combiner_axial"
+    cfg = compose_config(["task=lra_pathfinder", "attention=performer"], tmp_path)  # fixed length: no mask
+    assert build_module(cfg).net.blocks[0].attn.attention.name == "performer"
 
 
 def test_lra_experiments_compose(tmp_path):
@@ -372,11 +372,12 @@ def test_sparse_family_gives_padded_keys_zero_weight(name):
         assert torch.allclose(attn(q, k, v), plain @ v, atol=1e-10)  # unchanged without a mask
 
 
-def test_padded_task_trains_with_a_sparse_attention(make_cfg, tmp_path):
+@pytest.mark.parametrize("name", ["fixed", *sorted(n for n in ATTENTION_REGISTRY if n.startswith("combiner_"))])
+def test_padded_task_trains_with_sparse_and_combiner_attentions(name, make_cfg, tmp_path):
     root = tmp_path / "lra"
     root.mkdir()
     write_listops_fixture(root)
-    cfg = make_cfg(["task=lra_listops", f"paths.data_dir={tmp_path}", "attention=fixed", "task.seq_len=32", *TINY])
+    cfg = make_cfg(["task=lra_listops", f"paths.data_dir={tmp_path}", f"attention={name}", "task.seq_len=32", *TINY])
     assert np.isfinite(train(cfg)["test/loss"])
 
 

@@ -13,10 +13,14 @@ the centroids. Two assignments are offered:
   first); rejected positions propose again next round. Each round fills at least one centroid (or
   ends the assignment), so there are at most ``K`` rounds; with centroids that already spread the
   data there are only a few. A position's cluster depends on the whole group (not causal inside it).
+  Key padding: padded positions (``deferred``) still get a cluster, but only after every real position is
+  placed, filling the room left in position order; so the real positions' clusters never depend on the
+  padding's contents.
 
 In training, ``update`` moves every centroid toward the mean of the routing vectors assigned to it:
 ``c <- normalize(decay * c + (1 - decay) * mean)`` (exponential moving average, decay 0.999 as in
-Routing Transformer); centroids without members stay put. Eval mode never changes them.
+Routing Transformer); centroids without members stay put. Eval mode never changes them. Under key padding
+only real positions move the centroids.
 
 Shared by ``routing`` and ``combiner_routing``: ``ClusteredAttention`` (their common base: knobs, causal
 segment length, assignment, cluster blocks, forward dispatch, dense causal direct mask) and
@@ -35,11 +39,13 @@ from longseq.attention.base import Attention, AttentionConfigError, divisors
 from longseq.attention.geometry import cluster_order
 
 
-def balanced_assignment(scores: torch.Tensor) -> torch.Tensor:
+def balanced_assignment(scores: torch.Tensor, deferred: torch.Tensor | None = None) -> torch.Tensor:
     """Partition ``N`` positions into ``K`` equal clusters from similarity ``scores`` ``(..., N, K)``.
 
     Returns ``(..., N)`` long cluster ids; each id occurs exactly ``N / K`` times per leading index.
-    See the module docstring for the rule. Not differentiable (ids only).
+    See the module docstring for the rule. Not differentiable (ids only). ``deferred`` (bool, broadcastable
+    to ``(..., N)``, e.g. padded keys): those positions are left out of the rounds and then fill the
+    remaining room in position order, whatever their scores.
     """
     *lead, n_pos, n_clusters = scores.shape
     if n_pos % n_clusters:
@@ -52,13 +58,17 @@ def balanced_assignment(scores: torch.Tensor) -> torch.Tensor:
     assignment = torch.full((groups * n_pos,), -1, dtype=torch.long, device=device)
     room = torch.full((groups * n_clusters,), n_pos // n_clusters, dtype=torch.long, device=device)
     pending = torch.arange(groups * n_pos, device=device)  # increasing = earlier positions first
+    late = None
+    if deferred is not None:
+        deferred = deferred.expand(*lead, n_pos).reshape(-1)
+        pending, late = pending[~deferred], pending[deferred]
     first_round = True
     for _ in range(n_clusters):  # at most K rounds; usually a handful, each on the still-pending rows
         if pending.numel() == 0:
             break
         group = pending // n_pos
         if first_round:  # every centroid has room: no masking, no copy
-            best, choice = flat_scores.max(-1)
+            best, choice = (flat_scores if late is None else flat_scores[pending]).max(-1)
             first_round = False
         else:
             full = (room.view(groups, n_clusters) == 0)[group]  # (P, K)
@@ -75,6 +85,11 @@ def balanced_assignment(scores: torch.Tensor) -> torch.Tensor:
         assignment[pending[order[accepted]]] = choice[order[accepted]]
         room = room - torch.bincount(sorted_slot[accepted], minlength=room.numel())
         pending = torch.sort(pending[order[~accepted]]).values
+    if late is not None and late.numel():
+        # each group's leftover room equals its deferred count, so the r-th deferred position overall takes
+        # the r-th free slot in (group, centroid) order
+        free_slot = torch.searchsorted(room.cumsum(0), torch.arange(late.numel(), device=device), right=True)
+        assignment[late] = free_slot % n_clusters
     return assignment.view(*lead, n_pos)
 
 
@@ -142,21 +157,25 @@ class OnlineKMeans(nn.Module):
         """``(B, H, L)`` id of the most similar centroid; depends only on each position's own vector."""
         return self.scores(x).argmax(-1)
 
-    def balanced(self, x: torch.Tensor, group: int | None = None) -> torch.Tensor:
+    def balanced(self, x: torch.Tensor, group: int | None = None, deferred: torch.Tensor | None = None) -> torch.Tensor:
         """``(B, H, L)`` balanced ids: each run of ``group`` consecutive positions (default: all L) is
-        split into K clusters of ``group / K`` members."""
+        split into K clusters of ``group / K`` members. ``deferred`` ``(B, 1 or H, L)`` bool: positions placed
+        last, into the room the others leave (padded keys)."""
         B, H, L, _ = x.shape
         group = L if group is None else group
         if L % group:
             raise AttentionConfigError(f"k-means group {group} does not divide the length {L}")
         scores = self.scores(x).view(B, H, L // group, group, self.n_clusters)
-        return balanced_assignment(scores).view(B, H, L)
+        if deferred is not None:
+            deferred = deferred.reshape(B, -1, L // group, group)
+        return balanced_assignment(scores, deferred).view(B, H, L)
 
     @torch.no_grad()
-    def update(self, x: torch.Tensor, clusters: torch.Tensor) -> None:
+    def update(self, x: torch.Tensor, clusters: torch.Tensor, real: torch.Tensor | None = None) -> None:
         """EMA step toward the mean routing vector of each cluster (training only; no-op in eval).
 
-        x: ``(B, H, L, D)`` routing vectors (normalized here); clusters: ``(B, H, L)`` ids.
+        x: ``(B, H, L, D)`` routing vectors (normalized here); clusters: ``(B, H, L)`` ids; ``real``
+        ``(B, 1 or H, L)`` bool: only these positions count (padded keys do not move the centroids).
         """
         if not self.training or self.ema_decay >= 1.0:
             return
@@ -164,6 +183,8 @@ class OnlineKMeans(nn.Module):
         x = F.normalize(x.detach(), dim=-1).to(self.centroids.dtype)
         H, K, D = self.centroids.shape
         one_hot = F.one_hot(clusters, K).to(x.dtype)  # (B, H, L, K)
+        if real is not None:
+            one_hot = one_hot * real.unsqueeze(-1).to(x.dtype)
         sums = torch.einsum("bhlk,bhld->hkd", one_hot, x)
         counts = one_hot.sum((0, 2)).unsqueeze(-1)  # (H, K, 1)
         means = sums / counts.clamp(min=1.0)
@@ -223,23 +244,42 @@ class ClusteredAttention(Attention):
         candidates = [d for d in divisors(length) if d % K == 0]
         return min(candidates, key=lambda d: (abs(d - math.sqrt(length)), d))
 
-    def assign(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def assign(self, k: torch.Tensor, real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Cluster ids from the keys ``(B, H, L, D)``: ``(key_clusters, query_routes)``, each ``(B, H, L)``.
 
         Bidirectional: one balanced partition, ``query_routes`` is None (a query's cluster is its own).
         Causal: key clusters balanced per segment, query routes = nearest centroid.
+        ``real`` ``(B, L)`` bool (key padding, False = pad): padded keys are placed after the real ones
+        (``balanced_assignment``'s ``deferred``) and padded queries get route K (no centroid), so they
+        take no query slot from a real query.
         """
+        pad = None if real is None else ~real.unsqueeze(1)  # (B, 1, L)
         if not self.causal:
-            return self.kmeans.balanced(k), None
-        return self.kmeans.balanced(k, group=self.segment_len(k.shape[-2])), self.kmeans.nearest(k)
+            return self.kmeans.balanced(k, deferred=pad), None
+        routes = self.kmeans.nearest(k)
+        if real is not None:
+            routes = routes.masked_fill(pad, self.n_clusters)
+        return self.kmeans.balanced(k, group=self.segment_len(k.shape[-2]), deferred=pad), routes
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B, H, L, D) unscaled q, k, v -> (B, H, L, D) via the subclass's ``_causal`` / ``_bidirectional``;
-        moves the centroids in training."""
+        moves the centroids in training. ``key_padding_mask`` (B, L) bool, True = pad: only for subclasses
+        with ``supports_padding_mask`` (their ``_causal`` / ``_bidirectional`` take ``real``)."""
         self.check_length(q.shape[-2])
-        key_clusters, query_routes = self.assign(k)
-        out = self._causal(q, k, v, key_clusters, query_routes) if self.causal else self._bidirectional(q, k, v, key_clusters)
-        self.kmeans.update(k, key_clusters)
+        if key_padding_mask is None:
+            key_clusters, query_routes = self.assign(k)
+            padding, real = {}, None
+        else:
+            self.check_padding_support()
+            real = ~key_padding_mask.to(device=k.device, dtype=torch.bool)
+            key_clusters, query_routes = self.assign(k, real)
+            padding = {"real": real}
+        if self.causal:
+            out = self._causal(q, k, v, key_clusters, query_routes, **padding)
+        else:
+            out = self._bidirectional(q, k, v, key_clusters, **padding)
+        self.kmeans.update(k, key_clusters, None if real is None else real.unsqueeze(1))
         return out
 
     def causal_direct_mask(
@@ -249,7 +289,8 @@ class ClusteredAttention(Attention):
 
         ``direct`` ``(..., L, L)``: own segment up to self, plus (if routed) the key cluster of the query's
         route in earlier segments; ``earlier_segment`` ``(L, L)``: seg(j) < seg(i); ``own_route``
-        ``(..., L, 1)``: the query's route, K where the query overflowed its centroid.
+        ``(..., L, 1)``: the query's route, K where the query overflowed its centroid or has none (route K:
+        a padded query).
         """
         L, K = key_clusters.shape[-1], self.n_clusters
         device = key_clusters.device
@@ -257,7 +298,7 @@ class ClusteredAttention(Attention):
         past = torch.ones(L, L, dtype=torch.bool, device=device).tril()
         same_segment = segment.unsqueeze(1) == segment.unsqueeze(0)
         earlier_segment = segment.unsqueeze(0) < segment.unsqueeze(1)
-        routed = cluster_order(query_routes, K)[1] < L // K  # (..., L)
+        routed = (cluster_order(query_routes, K + 1)[1] < L // K) & (query_routes < K)  # (..., L)
         own_route = torch.where(routed, query_routes, K).unsqueeze(-1)  # K = "no cluster"
         direct = past & (same_segment | (earlier_segment & (key_clusters.unsqueeze(-2) == own_route)))
         return direct, earlier_segment, own_route
@@ -282,10 +323,11 @@ class CausalClusterSlots:
 
     Query i in segment g attends directly to its own segment up to itself, plus (if routed) the members of
     its key cluster in segments < g. Query slots: the first S = L / K queries routed to centroid c take
-    slots c*S + rank in it; the rest overflow into bin K*S (no own-cluster keys).
+    slots c*S + rank in it; the rest overflow into bin K*S (no own-cluster keys), as do queries with
+    route K (no centroid: padded queries).
 
     Args:
-        query_routes: ``(B, H, L)`` nearest-centroid ids.
+        query_routes: ``(B, H, L)`` nearest-centroid ids in ``[0, K]``.
         n_clusters: K.
         segment_len: causal segment length M.
     """
@@ -295,8 +337,8 @@ class CausalClusterSlots:
         K, S = n_clusters, L // n_clusters
         device = query_routes.device
         self.n_clusters, self.segment_len = K, segment_len
-        _, rank = cluster_order(query_routes, K)
-        self.routed = rank < S  # (B, H, L)
+        _, rank = cluster_order(query_routes, K + 1)
+        self.routed = (rank < S) & (query_routes < K)  # (B, H, L)
         self.slot = torch.where(self.routed, query_routes * S + rank, K * S)  # (B, H, L); K*S = overflow bin
         positions = torch.arange(L, device=device).expand(B, H, L)
         slot_query = torch.zeros(B, H, K * S + 1, dtype=torch.long, device=device).scatter_(2, self.slot, positions)

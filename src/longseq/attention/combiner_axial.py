@@ -46,6 +46,7 @@ from torch import nn
 from longseq.attention.base import Attention, AttentionConfigError
 from longseq.attention.geometry import Grid
 from longseq.attention.registry import register_attention
+from longseq.attention.summary import padded_partition
 
 ROW_SUMMARIES = ("proj", "none", "wsum")
 NEG_INF = float("-inf")
@@ -78,6 +79,18 @@ class RegionPartition:
         """(L, L) bool: keys reached directly or through a usable region (of ``family`` if given)."""
         usable = self.usable if family is None else self.usable & (self.family == family)
         return self.direct | ((usable.double() @ self.members.double()) > 0)
+
+    def without_padding(self, pad: torch.Tensor) -> RegionPartition:
+        """This partition for one document with key padding ``pad`` ``(L,)`` bool (True = pad).
+
+        ``summary.padded_partition``'s rule (padded keys out of the direct set and the regions, regions
+        without a real key unusable, empty rows fall back to their unpadded direct keys); in addition a
+        region summarized by a padded position's own query (``anchor`` padded) is unusable, since its
+        summary key and query would carry the padded position's contents. Regions left empty are dropped.
+        """
+        anchored_on_pad = (self.anchor >= 0) & pad[self.anchor.clamp(min=0)]  # (R,); -1 = pooled region
+        direct, members, usable = padded_partition(self.direct, self.members, self.usable & ~anchored_on_pad, pad)
+        return RegionPartition.from_candidates(direct, members, usable, self.family, self.anchor)
 
     @classmethod
     def from_candidates(cls, direct, members, usable, family, anchor) -> RegionPartition:
@@ -287,18 +300,35 @@ class CombinerAxialRowMajor(Attention):
         hidden = self.summary_norm(hidden + merge_heads(k_mate))
         return split_heads(self.summary_out(hidden), H)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """(B, H, L, D) unscaled -> (B, H, L, D)."""
+    # Key padding (LRA): padded keys get no direct weight and are left out of every row summary's inner
+    # softmax; a region whose row-mate anchor (r', c) is padded is masked (its query and key would be the
+    # padded position's), so with a ragged tail a query loses the last real row only in the columns where
+    # that row is already padding. A padded query with nothing left falls back to its unpadded direct keys.
+    supports_padding_mask = True
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, H, L, D) unscaled -> (B, H, L, D); ``key_padding_mask`` (B, L) bool, True = padded key."""
         L = q.shape[-2]
         self.check_length(L)
         grid = Grid.of(L, self.block_size)
         n, m = grid.n_rows, grid.n_cols
-        if not (self.training and self.dropout > 0):
+        if key_padding_mask is None and not (self.training and self.dropout > 0):
             return self.forward_fused(to_grid(q, grid), to_grid(k, grid), to_grid(v, grid)).flatten(2, 3)
         qr, kr, vr = to_grid(self.scale(q), grid), to_grid(k, grid), to_grid(v, grid)  # (B,H,n,m,D)
-
+        joint_mask = self.joint_mask(n, m, q.device)  # (n, m, m + n), True = masked
         row_logits = qr @ kr.transpose(-1, -2)  # (B,H,n,m[c],m[c'])
-        row_probs = row_logits.softmax(-1)  # unmasked: an earlier row is entirely in the past
+        inner_logits = row_logits  # unmasked: an earlier row is entirely in the past
+        if key_padding_mask is not None:
+            pad = key_padding_mask.to(device=q.device, dtype=torch.bool).view(-1, 1, n, 1, m)  # (B,1,n,1,m)
+            empty_row = pad.all(-1, keepdim=True)  # its regions are masked below; any finite inner row will do
+            inner_logits = row_logits.masked_fill(pad & ~empty_row, NEG_INF)
+            anchor_pad = pad.view(-1, 1, n, m).transpose(-1, -2).unsqueeze(2)  # (B,1,1,m[c],n[r'])
+            joint_mask = joint_mask | torch.cat([pad.expand(-1, 1, n, m, m), anchor_pad.expand(-1, 1, n, m, n)], -1)
+            direct_only = self.joint_mask(n, m, q.device).clone()
+            direct_only[..., m:] = True
+            joint_mask = torch.where(joint_mask.all(-1, keepdim=True), direct_only, joint_mask)
+        row_probs = inner_logits.softmax(-1)
         summary_v = row_probs @ vr  # (B,H,n[r'],m[c],D)
         k_wsum = row_probs @ kr if self.row_summary == "wsum" else None
         summary_k = self.summary_keys(summary_v, kr, k_wsum)
@@ -308,8 +338,7 @@ class CombinerAxialRowMajor(Attention):
         q_col = qr.transpose(2, 3).contiguous()
         summary_logits = q_col @ summary_k.transpose(2, 3).contiguous().transpose(-1, -2)  # (B,H,m,n,n)
         logits = torch.cat([row_logits, summary_logits.transpose(2, 3)], -1)  # (B,H,n,m,m+n)
-        # Masks go in place on the fresh concatenation (cat's backward does not need its output).
-        logits.masked_fill_(self.joint_mask(n, m, q.device), NEG_INF)
+        logits = logits.masked_fill(joint_mask, NEG_INF)
         weights = self.weight_dropout(logits.softmax(-1))
         direct_w, summary_w = weights.split([m, n], -1)
         out = direct_w @ vr
@@ -373,11 +402,24 @@ class CombinerAxialRowMajor(Attention):
         family = torch.zeros(L, dtype=torch.long, device=device)
         return RegionPartition.from_candidates(direct, members, usable, family, anchor)
 
-    def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """(B, H, L, L) dense effective weights, built from ``partition`` (not from ``forward``)."""
+    def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, H, L, L) dense effective weights, built from ``partition`` (not from ``forward``).
+
+        With ``key_padding_mask`` each document gets ``partition(L).without_padding(pad)``: a loop over the
+        batch on this small-L reference path only.
+        """
         L = q.shape[-2]
         self.check_length(L)
         part = self.partition(L, q.device)
+        if key_padding_mask is None:
+            return self.partition_matrix(part, q, k, v)
+        pads = key_padding_mask.to(device=q.device, dtype=torch.bool)
+        return torch.cat([self.partition_matrix(part.without_padding(pad), q[b : b + 1], k[b : b + 1], v[b : b + 1])
+                          for b, pad in enumerate(pads)])
+
+    def partition_matrix(self, part: RegionPartition, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Dense weights ``(B, H, L, L)`` of one partition whose regions are rows summarized by their anchor's query."""
         qs = self.scale(q)
         summary_q = qs[..., part.anchor, :]
         inner = (summary_q @ k.transpose(-1, -2)).masked_fill(~part.members, NEG_INF).softmax(-1)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from longseq.attention.base import Attention, AttentionConfigError
 from longseq.attention.geometry import Grid
 from longseq.attention.registry import register_attention
-from longseq.attention.summary import RegionSummary, effective_attention_matrix
+from longseq.attention.summary import RegionSummary, effective_attention_matrix, padded_partition
 
 
 @register_attention("combiner_fixed")
@@ -126,8 +126,8 @@ class CombinerFixedAttention(Attention):
         else:
             real = (~key_padding_mask.bool()).view(B, 1, n, m).expand(B, H, n, m).reshape(B * H, n, m)
             occupied = real.any(-1)  # (BH, n): the region has a real key
-            q_bar = self.masked_pool(self.summary.query_features(qs), real)
-            k_bar = self.masked_pool(self.summary.key_features(kb), real)
+            q_bar = self.summary.masked_reduce(self.summary.query_features(qs), real)
+            k_bar = self.summary.masked_reduce(self.summary.key_features(kb), real)
             # an empty region gets any finite inner row (all keys); its summary is masked in the joint mask
             inner_mask = (real | ~occupied.unsqueeze(-1)).unsqueeze(-2)  # (BH, n, 1, m)
             joint_mask = self.padded_joint_mask(real, occupied, n, m, q.device)
@@ -141,16 +141,6 @@ class CombinerFixedAttention(Attention):
         values = torch.cat([vb, v_bar.unsqueeze(1).expand(-1, n, -1, -1)], -2)  # (BH, n, m + n, Dv)
         out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=joint_mask, scale=1.0)
         return out.reshape(B, H, L, -1)
-
-    def masked_pool(self, features: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        """Pool per-position summary features (BH, n, m, D) over the real positions of each segment -> (BH, n, D);
-        a segment without real positions pools to 0 (its summary is masked)."""
-        keep = real.unsqueeze(-1)
-        if self.summary.reduce == "max":
-            pooled = features.masked_fill(~keep, float("-inf")).max(-2).values
-            return pooled.masked_fill(~real.any(-1, keepdim=True), 0.0)
-        weights = keep.to(features.dtype)
-        return (features * weights).sum(-2) / weights.sum(-2).clamp(min=1.0)
 
     def padded_joint_mask(self, real: torch.Tensor, occupied: torch.Tensor, n: int, m: int,
                           device: torch.device) -> torch.Tensor:
@@ -173,15 +163,11 @@ class CombinerFixedAttention(Attention):
         direct, regions, region_allowed = self.partition(q.shape[-2], q.device)
         if key_padding_mask is None:
             return effective_attention_matrix(q, k, self.summary, direct, regions, region_allowed)
-        matrices = []
-        for b, pad in enumerate(key_padding_mask.bool()):
-            regions_b = regions & ~pad
-            allowed_b = region_allowed & regions_b.any(-1)
-            direct_b = direct & ~pad
-            empty = ~(direct_b.any(-1) | allowed_b.any(-1))
-            direct_b = torch.where(empty.unsqueeze(-1), direct, direct_b)
-            matrices.append(effective_attention_matrix(q[b : b + 1], k[b : b + 1], self.summary, direct_b,
-                                                       regions_b, allowed_b))
+        matrices = [
+            effective_attention_matrix(q[b : b + 1], k[b : b + 1], self.summary,
+                                       *padded_partition(direct, regions, region_allowed, pad))
+            for b, pad in enumerate(key_padding_mask.bool())
+        ]
         return torch.cat(matrices)
 
 

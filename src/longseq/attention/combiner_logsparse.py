@@ -15,6 +15,12 @@ are the ordinary aligned blocks.)
 One softmax over the 1 + Λ (causal) or 1 + 2Λ (bidirectional) candidate logits per query. Summaries:
 k_bar = pooled keys of the block, v_bar = sum_j softmax_j(q_bar . k_j) v_j with q_bar the pooled scaled
 queries. Cost O(L D log L) time and O(L log L + L D) memory.
+
+Key padding (``key_padding_mask`` (B, L), True = pad; LRA): a padded key gets no direct weight (self, raw
+previous/next token) and is left out of every block's pooled query, pooled key and inner softmax; a block
+without a real key is masked. A query left with nothing (a padded query whose raw neighbours and blocks are
+all padding) falls back to its unpadded direct keys. The padded path pools each block straight from its
+members instead of hierarchically; same O(L D log L) cost.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import torch
 from longseq.attention.base import Attention
 from longseq.attention.geometry import fenwick_blocks, num_log_levels
 from longseq.attention.registry import register_attention
-from longseq.attention.summary import RegionSummary, effective_attention_matrix
+from longseq.attention.summary import RegionSummary, effective_attention_matrix, padded_partition
 
 
 @register_attention("combiner_logsparse")
@@ -77,29 +83,63 @@ class CombinerLogsparseAttention(Attention):
         return direct, regions, region_allowed
 
     # -- the contract -----------------------------------------------------------------------------
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """(B, H, L, D) unscaled q, k, v -> (B, H, L, D) (v may have its own last width)."""
+    supports_padding_mask = True
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, H, L, D) unscaled q, k, v -> (B, H, L, D) (v may have its own last width);
+        ``key_padding_mask`` (B, L) bool, True = padded key."""
         L = q.shape[-2]
         qs = self.scale(q)
+        real = None if key_padding_mask is None else ~key_padding_mask.to(device=q.device, dtype=torch.bool).unsqueeze(1)
         self_logit = (qs * k).sum(-1, keepdim=True)  # (B, H, L, 1)
-        past = _PastLevels(self, qs, k, v)
+        past = _PastLevels(self, qs, k, v, real)
         logits = [self_logit, past.logits()]
         allowed = [torch.ones(L, 1, dtype=torch.bool, device=q.device), past.allowed]
         if not self.causal:
-            future = _PastLevels(self, qs.flip(-2), k.flip(-2), v.flip(-2))
+            future = _PastLevels(self, qs.flip(-2), k.flip(-2), v.flip(-2), None if real is None else real.flip(-1))
             logits.append(future.logits().flip(-2))
             allowed.append(future.allowed.flip(0))
-        weights = torch.cat(logits, -1).masked_fill(~torch.cat(allowed, -1), float("-inf")).softmax(-1)
+        allowed = torch.cat(allowed, -1)  # (L, slots): [self, previous token, levels >= 1, (next token, levels)]
         n_levels = past.allowed.shape[-1]
+        if real is not None:
+            usable = [real.unsqueeze(-1), past.usable]
+            if not self.causal:
+                usable.append(future.usable.flip(-2))
+            allowed = self.padded_allowed(allowed, torch.cat(usable, -1), n_levels)
+        weights = torch.cat(logits, -1).masked_fill(~allowed, float("-inf")).softmax(-1)
         out = weights[..., :1] * v + past.output(weights[..., 1 : 1 + n_levels])
         if not self.causal:
             out = out + future.output(weights[..., 1 + n_levels :].flip(-2)).flip(-2)
         return out
 
-    def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """(B, H, L, L) effective weights, built densely from ``partition`` (independent of ``forward``)."""
+    def padded_allowed(self, allowed: torch.Tensor, usable: torch.Tensor, n_levels: int) -> torch.Tensor:
+        """The slots (B, 1, L, slots) a query may use under padding: geometry ``allowed`` (L, slots) and a real
+        key / occupied block (``usable``); a row left empty keeps its unpadded direct slots (self, raw
+        previous / next token)."""
+        direct = torch.zeros(allowed.shape[-1], dtype=torch.bool, device=allowed.device)
+        direct[:2] = True  # self, previous token
+        if not self.causal:
+            direct[1 + n_levels] = True  # next token
+        mask = allowed & usable
+        return torch.where(mask.any(-1, keepdim=True), mask, allowed & direct)
+
+    def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, H, L, L) effective weights, built densely from ``partition`` (independent of ``forward``).
+
+        With ``key_padding_mask`` each document gets its own partition (``padded_partition``): a loop over the
+        batch on this small-L reference path only.
+        """
         direct, regions, region_allowed = self.partition(q.shape[-2], q.device)
-        return effective_attention_matrix(q, k, self.summary, direct, regions, region_allowed)
+        if key_padding_mask is None:
+            return effective_attention_matrix(q, k, self.summary, direct, regions, region_allowed)
+        matrices = [
+            effective_attention_matrix(q[b : b + 1], k[b : b + 1], self.summary,
+                                       *padded_partition(direct, regions, region_allowed, pad))
+            for b, pad in enumerate(key_padding_mask.to(device=q.device, dtype=torch.bool))
+        ]
+        return torch.cat(matrices)
 
 
 def _past_partition(length: int, device: torch.device | None):
@@ -133,7 +173,8 @@ class _PastLevels:
     All per-level work is O(L D / 2), hence O(L D log L) in total.
     """
 
-    def __init__(self, attn: CombinerLogsparseAttention, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def __init__(self, attn: CombinerLogsparseAttention, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 real: torch.Tensor | None = None) -> None:
         self.qs, self.k, self.v = qs, k, v
         L = qs.shape[-2]
         self.length = L
@@ -142,11 +183,17 @@ class _PastLevels:
         if self.n_levels == 0:  # L = 1: keep one always-masked "previous token" slot
             valid = torch.zeros(L, 1, dtype=torch.bool, device=qs.device)
         self.allowed = valid  # (L, max(levels, 1))
-        summary = attn.summary
         self.k_bar, self.v_bar = [], []  # per level >= 1, even chunks only: (B, H, ceil(n_full / 2), D or Dv)
+        if real is None:
+            self._summarize(attn, qs, k, v)
+        else:
+            self._summarize_padded(attn, qs, k, v, real)
+
+    def _summarize(self, attn: CombinerLogsparseAttention, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        summary = attn.summary
         q_pool, k_pool = summary.query_features(qs), summary.key_features(k)
         for level in range(1, self.n_levels):
-            n_full = L >> level
+            n_full = self.length >> level
             # a level-l chunk is two level-(l-1) chunks: pool hierarchically (exact for max and mean)
             q_pool = summary.reduce_over(q_pool[..., : 2 * n_full, :].unflatten(-2, (n_full, 2)), -2)
             k_pool = summary.reduce_over(k_pool[..., : 2 * n_full, :].unflatten(-2, (n_full, 2)), -2)
@@ -155,6 +202,40 @@ class _PastLevels:
             inner = attn.weight_dropout(inner)
             self.k_bar.append(k_pool[..., 0::2, :])
             self.v_bar.append((inner.unsqueeze(-1) * self._even_chunks(v, level)).sum(-2))
+
+    def _summarize_padded(self, attn: CombinerLogsparseAttention, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          real: torch.Tensor) -> None:
+        """Summaries over the real members of each block; ``real`` (B, 1, L) bool. Sets ``usable``
+        (B, 1, L, levels): the slot's key is real / its block has a real member."""
+        summary = attn.summary
+        q_features, k_features = summary.query_features(qs), summary.key_features(k)
+        usable = torch.zeros(*real.shape, self.allowed.shape[-1], dtype=torch.bool, device=real.device)
+        usable[..., 1:, 0] = real[..., :-1]  # the raw previous token
+        occupied_levels = []
+        for level in range(1, self.n_levels):
+            member = self._even_chunks(real.unsqueeze(-1), level).squeeze(-1)  # (B, 1, n_even, 2^l)
+            occupied = member.any(-1)  # (B, 1, n_even)
+            q_bar = summary.masked_reduce(self._even_chunks(q_features, level), member)
+            logits = (self._even_chunks(k, level) * q_bar.unsqueeze(-2)).sum(-1)  # (B, H, n_even, 2^l)
+            # an empty block gets any finite inner row (all members); its summary slot is masked
+            inner = logits.masked_fill(~(member | ~occupied.unsqueeze(-1)), float("-inf")).softmax(-1)
+            inner = attn.weight_dropout(inner)
+            self.k_bar.append(summary.masked_reduce(self._even_chunks(k_features, level), member))
+            self.v_bar.append((inner.unsqueeze(-1) * self._even_chunks(v, level)).sum(-2))
+            occupied_levels.append(occupied)
+        self._spread(usable, occupied_levels)
+        self.usable = usable
+
+    def _spread(self, columns: torch.Tensor, per_block: list[torch.Tensor]) -> None:
+        """Write per-block values of every level >= 1 ((..., n_even) each) into ``columns`` (..., L, levels) at the
+        positions that read that block (the odd chunks and the tail)."""
+        for level, values in enumerate(per_block, start=1):
+            column = columns[..., level]  # (..., L) view
+            n_pairs = (self.length >> level) // 2
+            self._odd_chunks(column, level)[...] = values[..., :n_pairs, None]
+            tail = self._tail(level)
+            if tail is not None:
+                column[..., tail] = values[..., -1:]
 
     def _even_chunks(self, x: torch.Tensor, level: int) -> torch.Tensor:
         """Strided view of the even full chunks of size 2^level: (B, H, ceil(n_full / 2), 2^level, ...)."""

@@ -30,6 +30,12 @@ Pooling (``summary``): ``max`` (official JAX running max), ``mean``, ``deepsets_
 Prefix regions are pooled inclusively and shifted by one (official order), so no inner softmax ever
 runs over an empty set. Weight dropout applies to the joint weights only (the official layer has none).
 
+Key padding (LRA, ``key_padding_mask`` (B, L), True = pad): padded keys get no direct weight and are
+left out of every pooled query/key (running pools skip them) and inner softmax; a region (or prefix)
+without a real key is masked; a query left with nothing (only a padded one can be) falls back to its
+unpadded direct keys. The padded path uses the same layouts with per-document masks (``(B, 1, ...)``);
+``attention_matrix`` builds each document's reference from ``RegionPartition.without_padding``.
+
 Fast path: row-layout ``(B, H, n, m, ·)`` and column-layout ``(B, H, m, n, ·)`` logits from batched
 matmuls, each kept in its own layout and normalized by one shared max and sum
 (``_JointGroupsAttention``, explicit backward) — ``O(L (n + m))`` memory, no concatenation. Training
@@ -59,12 +65,22 @@ class LogitGroup:
     broadcastable to ``(n, m, w)``. ``layout="col"``: keys/values ``(B, H, m, w, D)`` shared by the
     queries of a column, mask broadcastable to ``(m, n, w)``. ``logits`` come out in the row layout
     ``(B, H, n, m, w)`` so all groups concatenate on the last axis.
+
+    Under key padding masks carry a leading batch axis (``(B, 1, ...)``), and a direct group keeps its
+    unpadded mask as ``fallback``: the keys a query with nothing else to attend to falls back to.
     """
 
-    def __init__(self, layout: str, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None):
+    def __init__(self, layout: str, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                 fallback: torch.Tensor | None = None):
         # Contiguous operands: CPU bmm over strided batches copies matrix by matrix.
         self.layout, self.keys, self.values, self.mask = layout, keys.contiguous(), values.contiguous(), mask
+        self.fallback = fallback
         self.width = keys.shape[-2]
+
+    def has_key(self) -> torch.Tensor:
+        """Row-layout ``(..., n, m)`` bool: the query has at least one allowed key in this group."""
+        any_key = self.mask.any(-1)
+        return any_key if self.layout == "row" else any_key.transpose(-1, -2)
 
     def logits(self, q_row: torch.Tensor, q_col: torch.Tensor) -> torch.Tensor:
         q = q_row if self.layout == "row" else q_col
@@ -138,6 +154,23 @@ class _JointGroupsAttention(torch.autograd.Function):
         return None, None, grad_q["row"], grad_q["col"], *grad_kv
 
 
+def with_padding_fallback(groups: list[LogitGroup]) -> list[LogitGroup]:
+    """The groups of one joint softmax, with queries left without any allowed key (only padded queries
+    can be: a real query always has itself) falling back to their unpadded direct keys, so no row is NaN."""
+    has_key = None
+    for group in groups:
+        has_key = group.has_key() if has_key is None else has_key | group.has_key()
+    empty = ~has_key  # (B, 1, n, m)
+    out = []
+    for g in groups:
+        if g.fallback is None:
+            out.append(g)
+            continue
+        empty_here = (empty if g.layout == "row" else empty.transpose(-1, -2)).unsqueeze(-1)
+        out.append(LogitGroup(g.layout, g.keys, g.values, g.mask | (empty_here & g.fallback)))
+    return out
+
+
 def joint_groups_attention(groups: list[LogitGroup], q_row: torch.Tensor, q_col: torch.Tensor) -> torch.Tensor:
     """Dropout-free joint softmax over ``groups`` -> ``(B, H, n, m, Dv)``; q_row/q_col scaled, see ``LogitGroup``."""
     layouts, masks = tuple(g.layout for g in groups), tuple(g.mask for g in groups)
@@ -147,6 +180,10 @@ def joint_groups_attention(groups: list[LogitGroup], q_row: torch.Tensor, q_col:
 class PooledAxialAttention(Attention):
     """Shared machinery of the pooled axial variants; subclasses choose the region families.
 
+    Key padding (LRA, ``key_padding_mask`` (B, L), True = pad): padded keys leave the direct part,
+    every region's pooled query/key (running pools included) and its inner softmax; a region without a
+    real key is masked; a (padded) query left with nothing falls back to its unpadded direct keys.
+
     Args:
         block_size: m, the row length (columns); must divide L.
         summary: region pooling, one of ``max`` (default), ``mean``, ``deepsets_max``, ``deepsets_mean``.
@@ -155,6 +192,7 @@ class PooledAxialAttention(Attention):
     use_vertical = True
     horizontal_regions: str | None = "split"
     plans = "joint"
+    supports_padding_mask = True
 
     def __init__(self, *, causal: bool, block_size: int, summary: str = "max", **common) -> None:
         if int(block_size) < 1:
@@ -223,6 +261,112 @@ class PooledAxialAttention(Attention):
         probs = (q_pool @ k.transpose(-1, -2)).masked_fill(own, NEG_INF).softmax(-1)
         return k_pool, probs @ v
 
+    # -- summaries under key padding (``real`` = True for a real key, broadcastable to (..., T)) ----
+    def masked_running_pool(self, features: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """Inclusive running pool of featurized ``(..., T, D)`` over the real positions only.
+
+        Before the first real position max gives -inf and mean gives 0; callers mask those.
+        """
+        keep = real.unsqueeze(-1)
+        if self.summary.reduce == "max":
+            filled = features.masked_fill(~keep, NEG_INF)
+            return torch.cummax(filled.transpose(-1, -2).contiguous(), -1).values.transpose(-1, -2)
+        count = real.cumsum(-1).clamp(min=1).unsqueeze(-1).to(features.dtype)
+        return (features * keep).cumsum(-2) / count
+
+    def padded_prefix_summaries(self, q, k, v, real, reverse: bool = False):
+        """``prefix_summaries`` over real keys only: q (scaled), k, v ``(..., T, D)``, real ``(..., T)``.
+
+        Returns summary keys and values ``(..., T, D)`` of the strict prefixes and ``occupied``
+        ``(..., T)``: the prefix holds a real key (else its summary is zeros and must be masked).
+        """
+        if reverse:
+            k_bar, v_bar, occupied = self.padded_prefix_summaries(q.flip(-2), k.flip(-2), v.flip(-2), real.flip(-1))
+            return k_bar.flip(-2), v_bar.flip(-2), occupied.flip(-1)
+        T = q.shape[-2]
+        seen = real.cumsum(-1) > 0  # (..., T): the inclusive prefix holds a real key
+        q_pool = self.masked_running_pool(self.summary.query_features(q), real).masked_fill(~seen.unsqueeze(-1), 0.0)
+        k_pool = self.masked_running_pool(self.summary.key_features(k), real).masked_fill(~seen.unsqueeze(-1), 0.0)
+        later = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+        # A prefix without a real key keeps its padded keys: any finite row will do, its summary is masked.
+        blocked = later | (~real.unsqueeze(-2) & seen.unsqueeze(-1))  # (..., T[t], T[j])
+        inclusive = (q_pool @ k.transpose(-1, -2)).masked_fill(blocked, NEG_INF).softmax(-1) @ v
+        occupied = torch.cat([torch.zeros_like(seen[..., :1]), seen[..., :-1]], -1)
+        return shift_forward(k_pool), shift_forward(inclusive), occupied
+
+    def padded_excluding_own_summaries(self, q, k, v, real):
+        """``excluding_own_summaries`` over real keys only; also returns ``occupied`` ``(..., T)``."""
+        T = q.shape[-2]
+        others = real.sum(-1, keepdim=True) - real.long()  # (..., T): real positions besides t
+        occupied = others > 0
+
+        def pool(features):
+            if self.summary.reduce == "max":
+                before = self.masked_running_pool(features, real)
+                after = self.masked_running_pool(features.flip(-2), real.flip(-1)).flip(-2)
+                fill = torch.full_like(before[..., :1, :], NEG_INF)
+                before_t = torch.cat([fill, before[..., :-1, :]], -2)  # positions < t
+                after_t = torch.cat([after[..., 1:, :], fill], -2)  # positions > t
+                pooled = torch.maximum(before_t, after_t)
+            else:
+                kept = features * real.unsqueeze(-1)
+                pooled = (kept.sum(-2, keepdim=True) - kept) / others.clamp(min=1).unsqueeze(-1).to(features.dtype)
+            return pooled.masked_fill(~occupied.unsqueeze(-1), 0.0)
+
+        q_pool, k_pool = pool(self.summary.query_features(q)), pool(self.summary.key_features(k))
+        own = torch.eye(T, dtype=torch.bool, device=q.device)
+        blocked = (own | ~real.unsqueeze(-2)) & occupied.unsqueeze(-1)  # an empty region keeps a finite row
+        probs = (q_pool @ k.transpose(-1, -2)).masked_fill(blocked, NEG_INF).softmax(-1)
+        return k_pool, probs @ v, occupied
+
+    def padded_logit_groups(self, qr, qc, kr, vr, real):
+        """``logit_groups`` under key padding, ``real`` ``(B, 1, n, m)`` bool (True = real key).
+
+        Masks gain a batch axis: padded keys leave the direct groups (which keep their unpadded mask as
+        ``fallback``), summaries pool and average over real keys only, regions without one are masked.
+        """
+        n, m = qr.shape[2], qr.shape[3]
+        device = qr.device
+        rows, cols = torch.arange(n, device=device), torch.arange(m, device=device)
+        kc, vc = (x.transpose(2, 3).contiguous() for x in (kr, vr))  # column layout (B, H, m, n, D)
+        real_col = real.transpose(2, 3)  # (B, 1, m, n)
+        other_col = cols[None, :, None] != cols[None, None, :]  # (1, m[c], m[c'])
+        if self.causal:
+            earlier_row = rows[None, :, None] > rows[None, None, :]  # (1, n[r], n[r']) r' < r
+            own_row = cols[None, :, None] >= cols[None, None, :]
+        else:
+            earlier_row = rows[None, :, None] != rows[None, None, :]
+            own_row = torch.ones(1, m, m, dtype=torch.bool, device=device)
+        direct = [
+            LogitGroup("col", kc, vc, earlier_row & real_col.unsqueeze(-2), fallback=earlier_row),
+            LogitGroup("row", kr, vr, own_row & real.unsqueeze(-2), fallback=own_row),
+        ]
+
+        def by_row(occupied_col):  # (B,1,m[c'],n[r]) -> (B,1,n[r],1,m[c']): region (r, c') holds a real key
+            return occupied_col.transpose(2, 3).unsqueeze(-2)
+
+        def by_col(occupied_row):  # (B,1,n[r'],m[c]) -> (B,1,m[c],1,n[r'])
+            return occupied_row.transpose(2, 3).unsqueeze(-2)
+
+        vertical = []
+        if self.use_vertical:
+            for reverse in ((False,) if self.causal else (False, True)):
+                k_bar, v_bar, occupied = self.padded_prefix_summaries(qc, kc, vc, real_col, reverse=reverse)
+                mask = other_col & by_row(occupied)
+                vertical.append(LogitGroup("row", k_bar.transpose(2, 3), v_bar.transpose(2, 3), mask))
+
+        horizontal = []
+        if self.horizontal_regions == "split":
+            for reverse in (False, True):
+                k_bar, v_bar, occupied = self.padded_prefix_summaries(qr, kr, vr, real, reverse=reverse)
+                mask = earlier_row & by_col(occupied)
+                horizontal.append(LogitGroup("col", k_bar.transpose(2, 3), v_bar.transpose(2, 3), mask))
+        elif self.horizontal_regions == "whole" and m > 1:
+            k_bar, v_bar, occupied = self.padded_excluding_own_summaries(qr, kr, vr, real)
+            mask = earlier_row & by_col(occupied)
+            horizontal.append(LogitGroup("col", k_bar.transpose(2, 3), v_bar.transpose(2, 3), mask))
+        return direct, vertical, horizontal
+
     # -- fast path ------------------------------------------------------------------------------
     def logit_groups(self, qr, qc, kr, vr) -> tuple[list[LogitGroup], list[LogitGroup], list[LogitGroup]]:
         """Direct, vertical and horizontal groups for row-layout q (scaled), k, v ``(B, H, n, m, D)``
@@ -276,18 +420,29 @@ class PooledAxialAttention(Attention):
             out = part if out is None else out + part
         return out
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """(B, H, L, D) unscaled -> (B, H, L, D)."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, H, L, D) unscaled -> (B, H, L, D); ``key_padding_mask`` (B, L) bool, True = padded key."""
         L = q.shape[-2]
         self.check_length(L)
         grid = Grid.of(L, self.block_size)
         qr, kr, vr = to_grid(self.scale(q), grid), to_grid(k, grid), to_grid(v, grid)
         qc = qr.transpose(2, 3).contiguous()  # column layout (B, H, m, n, D)
-        direct, vertical, horizontal = self.logit_groups(qr, qc, kr, vr)
-        if self.plans == "average":
-            out = 0.5 * (self.joint_softmax(direct + vertical, qr, qc) + self.joint_softmax(direct + horizontal, qr, qc))
+        if key_padding_mask is None:
+            direct, vertical, horizontal = self.logit_groups(qr, qc, kr, vr)
         else:
-            out = self.joint_softmax(direct + vertical + horizontal, qr, qc)
+            real = ~key_padding_mask.to(device=q.device, dtype=torch.bool).view(-1, 1, grid.n_rows, grid.n_cols)
+            direct, vertical, horizontal = self.padded_logit_groups(qr, qc, kr, vr, real)
+        if self.plans == "average":
+            plans = [direct + vertical, direct + horizontal]
+        else:
+            plans = [direct + vertical + horizontal]
+        if key_padding_mask is not None:
+            plans = [with_padding_fallback(groups) for groups in plans]
+        if self.plans == "average":
+            out = 0.5 * (self.joint_softmax(plans[0], qr, qc) + self.joint_softmax(plans[1], qr, qc))
+        else:
+            out = self.joint_softmax(plans[0], qr, qc)
         return out.flatten(2, 3)
 
     # -- explicit partition and dense reference ---------------------------------------------------
@@ -329,28 +484,46 @@ class PooledAxialAttention(Attention):
         anchor = torch.full_like(family, -1)
         return RegionPartition.from_candidates(direct, members, usable, family, anchor)
 
-    def masked_pool(self, x: torch.Tensor, members: torch.Tensor, phi) -> torch.Tensor:
-        """Pool ``x`` ``(B, H, L, D)`` over each region's members ``(R, L)`` -> ``(B, H, R, D)`` (dense)."""
-        if phi is not None:
-            x = torch.relu(phi(x))
-        if self.summary.reduce == "max":
-            spread = x.unsqueeze(-3).masked_fill(~members.unsqueeze(-1), NEG_INF)  # (B,H,R,L,D)
-            return spread.amax(-2)
-        weights = members.to(x.dtype)
-        return (weights @ x) / weights.sum(-1, keepdim=True)
+    def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, H, L, L) dense effective weights, built from ``partition`` (not from ``forward``).
 
-    def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """(B, H, L, L) dense effective weights, built from ``partition`` (not from ``forward``)."""
+        With ``key_padding_mask`` each document (and each plan of ``plans=average``) gets its own
+        partition from ``RegionPartition.without_padding``: a loop over the batch, reference path only.
+        """
         L = q.shape[-2]
         self.check_length(L)
         part = self.partition(L, q.device)
         qs = self.scale(q)
-        summary_q = self.masked_pool(qs, part.members, self.summary.phi_query)
-        summary_k = self.masked_pool(k, part.members, self.summary.phi_key)
+        if key_padding_mask is not None:
+            return self.padded_attention_matrix(qs, k, part, key_padding_mask.to(device=q.device, dtype=torch.bool))
+        summary_q = self.summary.pool_region_queries(qs, part.members)
+        summary_k = self.summary.pool_region_keys(k, part.members)
         if self.plans == "average":
             plans = [part.usable & (part.family == f) for f in (VERTICAL, HORIZONTAL)]
             return sum(effective_matrix(qs, k, part.direct, part.members, u, summary_q, summary_k) for u in plans) / 2
         return effective_matrix(qs, k, part.direct, part.members, part.usable, summary_q, summary_k)
+
+    def padded_attention_matrix(self, qs, k, part: RegionPartition, key_padding_mask) -> torch.Tensor:
+        """Dense weights per document under padding; qs scaled ``(B, H, L, D)``, mask ``(B, L)``."""
+        if self.plans == "average":
+            plans = [
+                RegionPartition(part.direct, part.members, part.usable & (part.family == f), part.family, part.anchor)
+                for f in (VERTICAL, HORIZONTAL)
+            ]
+        else:
+            plans = [part]
+        matrices = []
+        for b, pad in enumerate(key_padding_mask):
+            per_plan = []
+            for plan in plans:
+                p = plan.without_padding(pad)  # regions padding emptied are dropped
+                q_b, k_b = qs[b : b + 1], k[b : b + 1]
+                summary_q = self.summary.pool_region_queries(q_b, p.members)
+                summary_k = self.summary.pool_region_keys(k_b, p.members)
+                per_plan.append(effective_matrix(q_b, k_b, p.direct, p.members, p.usable, summary_q, summary_k))
+            matrices.append(sum(per_plan) / len(per_plan))
+        return torch.cat(matrices)
 
 
 def shift_forward(x: torch.Tensor) -> torch.Tensor:

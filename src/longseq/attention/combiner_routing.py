@@ -33,6 +33,14 @@ one masked inner softmax per (cluster, segment) over the cluster's block.
 Cost per query: M + S direct logits + K summary logits; memory O(L (M + L/K + K)) plus O(L D) for the
 gathered cluster blocks, never L x L (``attention_matrix`` excepted). The clustering is not
 differentiable (ids only); gradients flow through q, k, v of every used logit, pool and value.
+
+Key padding (``key_padding_mask`` (B, L), True = pad; LRA). Padded keys still take cluster slots (the
+balanced assignment places them after every real key, into the room left, so real keys cluster as
+without the padding's contents), but get no direct weight, are left out of every cluster summary (pooled
+query, pooled key, inner softmax), and a cluster (or causal region R(c, g)) without a real key is masked.
+Padded queries are routed nowhere (route K: they take no query slot), and only real keys move the
+centroids in training. A query left with nothing (only a padded one can be) falls back to its unpadded
+direct keys. ``attention_matrix`` applies the shared rule ``summary.padded_partition`` per document.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ import torch.nn.functional as F
 from longseq.attention.clustering import CausalClusterSlots, ClusteredAttention, OnlineKMeans
 from longseq.attention.geometry import cluster_order
 from longseq.attention.registry import register_attention
-from longseq.attention.summary import RegionSummary
+from longseq.attention.summary import RegionSummary, effective_attention_matrix, padded_partition
 
 
 @register_attention("combiner_routing")
@@ -120,13 +128,17 @@ class CombinerRoutingAttention(ClusteredAttention):
         return direct, regions
 
     # -- forward (``ClusteredAttention.forward`` dispatches here) --------------------------------
-    def _bidirectional(self, q, k, v, clusters):
+    supports_padding_mask = True
+
+    def _bidirectional(self, q, k, v, clusters, real=None):
         B, H, L, D = q.shape
         K, S = self.n_clusters, L // self.n_clusters
         order, _ = cluster_order(clusters, K)
         q_blk, k_blk, v_blk = self._blocks(order, self.scale(q), k, v)  # (B, H, K, S, D)
         p = self.dropout if self.training else 0.0
-        if K == 1:
+        if real is not None:
+            keys, values, mask = self._bidirectional_padded(q_blk, k_blk, v_blk, self._members(order, real))
+        elif K == 1:
             keys, values, mask = k_blk, v_blk, None
         else:
             q_bar = self.summary.pool_queries(q_blk, 3).unsqueeze(3)  # (B, H, K, 1, D)
@@ -138,11 +150,37 @@ class CombinerRoutingAttention(ClusteredAttention):
             values = torch.cat([v_blk, v_bar.unsqueeze(2).expand(B, H, K, K, D)], 3)
             other = ~torch.eye(K, dtype=torch.bool, device=q.device).unsqueeze(1).expand(K, S, K)
             mask = torch.cat([torch.ones(K, S, S, dtype=torch.bool, device=q.device), other], -1).unsqueeze(0)
-        fold = lambda x: x.reshape(B * H, K, x.shape[3], D)  # noqa: E731  blocks in the SDPA "heads" slot
+        fold = lambda x: x.reshape(B * H, K, x.shape[3], x.shape[4])  # noqa: E731  blocks in the SDPA "heads" slot
+        if mask is not None and mask.dim() == 5:  # per-document padded mask (B, H, K, S, S + K)
+            mask = fold(mask)
         out = F.scaled_dot_product_attention(fold(q_blk), fold(keys), fold(values), attn_mask=mask, dropout_p=p, scale=1.0)
         return self._unblock(order, out)
 
-    def _causal(self, q, k, v, key_clusters, query_routes):
+    def _members(self, order: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """Which members of every cluster block are real keys: ``real`` (B, L) -> (B, H, K, S) bool."""
+        B, H, L = order.shape
+        return real.unsqueeze(1).expand(B, H, L).gather(2, order).view(B, H, self.n_clusters, L // self.n_clusters)
+
+    def _bidirectional_padded(self, q_blk, k_blk, v_blk, member):
+        """Keys, values and mask (B, H, K, S, S + K) for every cluster block under key padding; ``member``
+        (B, H, K, S) bool marks real keys. Summaries pool real members only; a cluster without one is masked."""
+        B, H, K, S, D = k_blk.shape
+        occupied = member.any(-1)  # (B, H, K)
+        q_bar = self.summary.masked_reduce(self.summary.query_features(q_blk), member).unsqueeze(3)  # (B, H, K, 1, D)
+        k_bar = self.summary.masked_reduce(self.summary.key_features(k_blk), member)  # (B, H, K, D)
+        # an empty cluster gets any finite inner row (all members); its summary is masked below
+        inner_mask = (member | ~occupied.unsqueeze(-1)).unsqueeze(3)  # (B, H, K, 1, S)
+        inner = (q_bar @ k_blk.transpose(-1, -2)).masked_fill(~inner_mask, float("-inf")).softmax(-1)
+        v_bar = (inner @ v_blk).squeeze(3)  # (B, H, K, Dv)
+        keys = torch.cat([k_blk, k_bar.unsqueeze(2).expand(B, H, K, K, D)], 3)
+        values = torch.cat([v_blk, v_bar.unsqueeze(2).expand(B, H, K, K, v_bar.shape[-1])], 3)
+        other = ~torch.eye(K, dtype=torch.bool, device=k_blk.device)  # (own cluster, summarized cluster)
+        mask = torch.cat([member.unsqueeze(3).expand(B, H, K, S, S),
+                          (other & occupied.unsqueeze(2)).unsqueeze(3).expand(B, H, K, S, K)], -1)
+        own_cluster_only = torch.cat([mask.new_ones(S), mask.new_zeros(K)])  # the unpadded direct keys
+        return keys, values, torch.where(mask.any(-1, keepdim=True), mask, own_cluster_only)
+
+    def _causal(self, q, k, v, key_clusters, query_routes, real=None):
         B, H, L, D = q.shape
         K, S = self.n_clusters, L // self.n_clusters
         M = self.segment_len(L)
@@ -161,10 +199,22 @@ class CombinerRoutingAttention(ClusteredAttention):
 
         # summaries of R(c, g) = first g*M/K members of cluster c = its chunks of segments < g:
         # pool each (cluster, segment) chunk, run the pool over segments, shift by one segment
-        q_bar = self._segment_prefix(self.summary.query_features(q_blk), n)  # (B, H, K, n, D)
-        k_bar = self._segment_prefix(self.summary.key_features(k_blk), n)
         inner_allowed = member_segment < torch.arange(n, device=device).unsqueeze(1)  # (n, S)
-        inner_allowed[0] = True  # R(c, 0) is empty: its logit is masked below; keep this softmax finite
+        if real is None:
+            q_bar = self._segment_prefix(self.summary.query_features(q_blk), n)  # (B, H, K, n, D)
+            k_bar = self._segment_prefix(self.summary.key_features(k_blk), n)
+            inner_allowed[0] = True  # R(c, 0) is empty: its logit is masked below; keep this softmax finite
+        else:
+            member = self._members(order, real)  # (B, H, K, S): real keys
+            q_bar, occupied = self._segment_prefix_padded(self.summary.query_features(q_blk), member, n)
+            k_bar, _ = self._segment_prefix_padded(self.summary.key_features(k_blk), member, n)
+            inner_allowed = inner_allowed & member.unsqueeze(3)  # (B, H, K, n, S)
+            # an empty region gets any finite inner row; its logit is masked below
+            inner_allowed = inner_allowed | ~inner_allowed.any(-1, keepdim=True)
+            unpadded_direct = torch.cat([cluster_logits, segment_logits.view(B, H, L, M)], -1)
+            own_members = member.gather(2, query_routes.clamp(max=K - 1).unsqueeze(-1).expand(B, H, L, S))
+            cluster_logits = cluster_logits.masked_fill(~own_members, neg_inf)
+            segment_logits = segment_logits.masked_fill(~real.view(B, 1, n, 1, M), neg_inf)
         inner = (q_bar @ k_blk.transpose(-1, -2)).masked_fill_(~inner_allowed, neg_inf).softmax(-1)
         v_bar = (inner @ v_blk).transpose(2, 3)  # (B, H, n, K, D)
         summary_logits = qs.view(B, H, n, M, D) @ k_bar.permute(0, 1, 3, 4, 2)  # (B, H, n, M, K)
@@ -172,10 +222,15 @@ class CombinerRoutingAttention(ClusteredAttention):
         summary_allowed = (torch.arange(K, device=device) != own_route) & (
             torch.arange(n, device=device) > 0
         ).view(n, 1, 1)
+        if real is not None:
+            summary_allowed = summary_allowed & occupied.permute(0, 1, 3, 2).unsqueeze(3)  # (B, H, n, M, K)
         summary_logits = summary_logits.masked_fill_(~summary_allowed, neg_inf)
 
         # one joint softmax per query over [own cluster | own segment | summaries]
         logits = torch.cat([cluster_logits, segment_logits.view(B, H, L, M), summary_logits.view(B, H, L, K)], -1)
+        if real is not None:  # a query left with nothing falls back to its unpadded direct keys
+            empty = (logits == neg_inf).all(-1, keepdim=True)
+            logits = torch.where(empty, F.pad(unpadded_direct, (0, K), value=neg_inf), logits)
         weights = self.weight_dropout(logits.softmax(-1))
         w_cluster, w_segment, w_summary = weights.split([S, M, K], -1)
 
@@ -203,9 +258,28 @@ class CombinerRoutingAttention(ClusteredAttention):
             running = chunks.cumsum(3) / count
         return torch.cat([running[:, :, :, :1], running[:, :, :, :-1]], 3)
 
+    def _segment_prefix_padded(self, features: torch.Tensor, member: torch.Tensor, n: int):
+        """``_segment_prefix`` over real members only: features (B, H, K, S, D), ``member`` (B, H, K, S) bool ->
+        (pools (B, H, K, n, D), occupied (B, H, K, n): R(c, g) has a real member); empty regions pool to 0."""
+        B, H, K, S, D = features.shape
+        chunks = features.view(B, H, K, n, S // n, D)
+        real = member.view(B, H, K, n, S // n, 1)
+        count = real.sum(4).cumsum(3)  # (B, H, K, n, 1): real members in segments <= g
+        if self.summary.reduce == "max":
+            running = torch.cummax(chunks.masked_fill(~real, float("-inf")).max(4).values, 3).values
+        else:
+            running = (chunks * real.to(chunks.dtype)).sum(4).cumsum(3) / count.clamp(min=1).to(chunks.dtype)
+        running = running.masked_fill(count == 0, 0.0)  # no -inf left for later products
+        shifted = torch.cat([running[:, :, :, :1], running[:, :, :, :-1]], 3)
+        occupied = torch.cat([torch.zeros_like(count[:, :, :, :1]), count[:, :, :, :-1]], 3) > 0
+        return shifted, occupied.squeeze(-1)
+
     # -- reference --------------------------------------------------------------------------------
-    def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B, H, L, L) effective weights, written densely from ``partition`` (small L only)."""
+        if key_padding_mask is not None:
+            return self.padded_attention_matrix(q, k, key_padding_mask.to(device=q.device, dtype=torch.bool))
         B, H, L, D = q.shape
         K = self.n_clusters
         key_clusters, query_routes = self.assign(k)
@@ -221,6 +295,23 @@ class CombinerRoutingAttention(ClusteredAttention):
         joint = torch.cat([direct_logits, summary_logits], -1).softmax(-1)
         w_direct, w_summary = joint.split([L, K], -1)
         return w_direct + torch.einsum("bhik,bhikj->bhij", w_summary, inner)
+
+    def padded_attention_matrix(self, q: torch.Tensor, k: torch.Tensor, key_padding_mask: torch.Tensor) -> torch.Tensor:
+        """(B, H, L, L) weights under key padding (B, L): the clustering of ``assign(k, real)``, then per document
+        and head the shared rule ``padded_partition`` on the partition written as L * K regions (query i's
+        view of cluster c is region i * K + c). A loop over (B, H) on this small-L reference path only."""
+        B, H, L, _ = q.shape
+        K = self.n_clusters
+        key_clusters, query_routes = self.assign(k, ~key_padding_mask)
+        direct, regions = self.partition(key_clusters, query_routes)  # (B, H, L, L), (B, H, L, K, L)
+        own_regions = torch.eye(L, dtype=torch.bool, device=q.device).repeat_interleave(K, 1)  # (L, L * K)
+        rows = []
+        for b in range(B):
+            for h in range(H):
+                flat = regions[b, h].reshape(L * K, L)
+                part = padded_partition(direct[b, h], flat, own_regions & flat.any(-1), key_padding_mask[b])
+                rows.append(effective_attention_matrix(q[b, h][None, None], k[b, h][None, None], self.summary, *part))
+        return torch.cat(rows).view(B, H, L, L)
 
     def extra_repr(self) -> str:
         return f"name={self.name}, causal={self.causal}, n_clusters={self.n_clusters}, block_size={self.block_size}"

@@ -10,7 +10,8 @@ tensor; it uses one of three shapes of computation, all with ONE softmax per que
 - two layouts of one grid (row-wise and column-wise logits from batched matmuls, concatenated for one
   softmax): ``axial``, ``strided``;
 - an index table ``(L, K)`` of each query's keys (repeats masked so each key counts once), gathered
-  to ``(B*H, L, K, D)`` and fed to SDPA with one query per head slot: ``logsparse``, ``random``.
+  to ``(B*H, L, K, D)`` and fed to SDPA with one query per head slot: ``random``;
+- per-level broadcasts over power-of-two block pairs, no gather (``log_levels``): ``logsparse``.
 
 Every row of every mask keeps at least one key (self, or a padded position's own slot), so no softmax
 row is empty. Batched-matmul outputs go through ``_ContiguousGrad`` because CPU ``bmm`` backward on
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from longseq.attention.base import Attention, AttentionConfigError, append_padding_channel
 from longseq.attention.combiner_mixture import LogitGroup, joint_groups_attention
 from longseq.attention.geometry import Grid, logsparse_keys
+from longseq.attention.log_levels import LevelMix, LevelScores, num_levels
 from longseq.attention.registry import register_attention
 
 NEG_INF = float("-inf")
@@ -503,10 +505,10 @@ class LogSparseAttention(SparseAttention):
     (the last cell of each aligned power-of-two block that tiles [0, p), i.e. the blocks
     ``combiner_logsparse`` summarizes; ``geometry.logsparse_keys``). E.g. p = 13 attends to 13, 12, 11,
     7. Bidirectional: the causal set plus its mirror image (the causal pattern of the reversed
-    sequence: j with ``L-1-j`` in the causal set of ``L-1-i``). Any length works. Forward gathers each
-    query's ``1 + levels`` (bidirectional ``1 + 2 levels``) keys, levels = bit length of L - 1, and
-    applies one softmax (a per-level reshape without a gather was measured 2.5x slower on CPU: many
-    more passes over L x D tensors).
+    sequence: j with ``L-1-j`` in the causal set of ``L-1-i``). Any length works. Forward never gathers:
+    at level l the queries with bit l set are the odd blocks of 2^l-block pairs and share one key, so the
+    logits ``(BH, 1 + levels, L)`` and the output are per-level broadcasts (``log_levels``; hand-written
+    backward), one softmax over each query's ``1 + levels`` (bidirectional ``1 + 2 levels``) slots.
     """
 
     def __init__(self, *, causal: bool, **base) -> None:
@@ -525,9 +527,19 @@ class LogSparseAttention(SparseAttention):
         return pattern_from_index_table(*self.index_table(length, None), length)
 
     def forward(self, q, k, v):
-        L = q.shape[-2]
-        idx, valid = self.cached("idx", L, q.device, lambda: self.index_table(L, q.device))
-        return attend_index_table(self, q, k, v, idx, valid)
+        B, H, L, D = q.shape
+        qs, kf, vf = self.scale(q).reshape(B * H, L, D), k.reshape(B * H, L, D), v.reshape(B * H, L, -1)
+        logits = LevelScores.apply(qs, kf, True)  # (BH, 1 + levels, L): self, then one slot per level
+        if self.causal:
+            weights = self.weight_dropout(logits.softmax(1))
+            return LevelMix.apply(weights, vf, True).view(B, H, L, -1)
+        # the mirror image is the causal pattern of the reversed sequence (without self, counted once)
+        mirrored = LevelScores.apply(qs.flip(1), kf.flip(1), False).flip(-1)
+        weights = self.weight_dropout(torch.cat([logits, mirrored], 1).softmax(1))
+        own = 1 + num_levels(L)
+        out = LevelMix.apply(weights[:, :own], vf, True)
+        out = out + LevelMix.apply(weights[:, own:].flip(-1), vf.flip(1), False).flip(1)
+        return out.view(B, H, L, -1)
 
 
 @register_attention("random")

@@ -59,6 +59,18 @@ class RegionSummary(nn.Module):
         """Per-position key features before pooling (DeepSets map, or ``k`` itself). ``(..., D)``."""
         return self._features(k, self.phi_key)
 
+    def masked_reduce(self, features: torch.Tensor, member: torch.Tensor) -> torch.Tensor:
+        """Pool featurized vectors ``(..., s, D)`` over their real members ``member`` ``(..., s)`` bool -> ``(..., D)``.
+
+        Key padding: padded positions stay out of the pool; a region without a real member pools to 0
+        (its summary is masked by the caller).
+        """
+        if self.reduce == "max":
+            pooled = features.masked_fill(~member.unsqueeze(-1), float("-inf")).max(-2).values
+            return pooled.masked_fill(~member.any(-1, keepdim=True), 0.0)
+        weights = member.unsqueeze(-1).to(features.dtype)
+        return (features * weights).sum(-2) / weights.sum(-2).clamp(min=1.0)
+
     def reduce_over(self, features: torch.Tensor, dim: int) -> torch.Tensor:
         """Pool already-featurized vectors over axis ``dim`` (removed).
 
@@ -115,6 +127,26 @@ class RegionSummary(nn.Module):
     def prefix_keys(self, k: torch.Tensor, dim: int) -> torch.Tensor:
         """Inclusive running pool of keys along ``dim`` (same shape), for prefix regions."""
         return self._prefix(k, dim, self.phi_key)
+
+
+def padded_partition(
+    direct: torch.Tensor, regions: torch.Tensor, region_allowed: torch.Tensor, pad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One document's partition under key padding (the rule every Combiner variant follows).
+
+    Args:
+        direct ``(L, L)``, regions ``(R, L)``, region_allowed ``(L, R)``: the unpadded partition (bool).
+        pad: ``(L,)`` bool, True = padded key.
+    Returns the same three sets with padded keys out of the direct sets and the regions, and regions left
+    without a real key unusable. A query left with nothing (its whole direct set and every usable region
+    padded; only a padded query can be, since self is always direct) falls back to its unpadded direct keys
+    so that no row is NaN.
+    """
+    regions_b = regions & ~pad
+    allowed_b = region_allowed & regions_b.any(-1)
+    direct_b = direct & ~pad
+    empty = ~(direct_b.any(-1) | allowed_b.any(-1))
+    return torch.where(empty.unsqueeze(-1), direct, direct_b), regions_b, allowed_b
 
 
 def effective_attention_matrix(
