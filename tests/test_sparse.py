@@ -236,6 +236,7 @@ def test_causal_perturbation(name, L, kw, causal):
         ("strided", dict(block_size=2), True),
         ("fixed", dict(block_size=2, summary_cells=1), True),
         ("axial", dict(block_size=2), False),
+        ("axial", dict(block_size=2), True),  # the two-flash-call path
         ("logsparse", dict(), True),
         ("random", dict(n_random=2), False),
         ("bigbird", dict(block_size=2, global_blocks=1, random_blocks=1), False),

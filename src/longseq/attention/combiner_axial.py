@@ -244,6 +244,30 @@ class _CausalRowColumnFlash(torch.autograd.Function):
         return (*grads_row, *grads_col, None)
 
 
+def flash_row_column_applies(qr: torch.Tensor, vr: torch.Tensor) -> bool:
+    """Whether ``causal_row_column_flash`` can run: CPU kernels, at least two rows, and one head size for
+    q, k and v (tests probe with v = identity)."""
+    return qr.device.type == "cpu" and qr.shape[2] > 1 and vr.shape[-1] == qr.shape[-1]
+
+
+def causal_row_column_flash(qr, kr, vr, column_k, column_v) -> torch.Tensor:
+    """One causal softmax per query ``(r, c)`` over its own row (``c' <= c``) and, from its own column, the
+    entries ``(r', c)`` of ``column_k, column_v`` for every earlier row ``r' < r``.
+
+    Row layouts ``(B, H, n, m, D)`` in and out, q NOT scaled. Row-major Combiner passes the row summaries
+    as the column entries, sparse ``axial`` the raw keys and values. Two fused flash calls
+    (``_CausalRowColumnFlash``); see ``flash_row_column_applies`` for when it runs.
+    """
+    B, H, n, m, D = qr.shape
+    rows4 = [x.reshape(B * H, n, m, D) for x in (qr, kr, vr)]
+    q_col, k_col, v_col = (  # (B*H, m, n-1, D): queries of rows >= 1, column entries of rows <= n-2
+        x[:, :, rows].transpose(2, 3).reshape(B * H, m, n - 1, D)  # one copy into column layout
+        for x, rows in ((qr, slice(1, None)), (column_k, slice(None, -1)), (column_v, slice(None, -1)))
+    )
+    out = _CausalRowColumnFlash.apply(*rows4, q_col, k_col, v_col, 1.0 / math.sqrt(D))
+    return out.view(B, H, n, m, D)
+
+
 # ------------------------------------------------------------------------------------------------
 @register_attention("combiner_axial")
 class CombinerAxialRowMajor(Attention):
@@ -361,14 +385,8 @@ class CombinerAxialRowMajor(Attention):
         if self.row_summary == "wsum":
             k_wsum = F.scaled_dot_product_attention(*rows4[:2], rows4[1], scale=scale).view(B, H, n, m, D)
         summary_k = self.summary_keys(summary_v, kr, k_wsum)
-        # The CPU flash kernels need one head size for q, k and v (tests probe with v = identity).
-        if self.causal and qr.device.type == "cpu" and n > 1 and vr.shape[-1] == D:
-            q_col, sk_col, sv_col = (  # (B*H, m, n-1, D): queries of rows >= 1, summaries of rows <= n-2
-                x[:, :, rows].transpose(2, 3).reshape(B * H, m, n - 1, D)  # one copy into column layout
-                for x, rows in ((qr, slice(1, None)), (summary_k, slice(None, -1)), (summary_v, slice(None, -1)))
-            )
-            out = _CausalRowColumnFlash.apply(*rows4, q_col, sk_col, sv_col, scale)
-            return out.view(B, H, n, m, -1)
+        if self.causal and flash_row_column_applies(qr, vr):
+            return causal_row_column_flash(qr, kr, vr, summary_k, summary_v)
         qr = self.scale(qr)
         q_col, sk_col, sv_col = (x.transpose(2, 3).contiguous() for x in (qr, summary_k, summary_v))
         rows, cols = torch.arange(n, device=qr.device), torch.arange(m, device=qr.device)

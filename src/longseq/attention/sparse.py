@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from longseq.attention.base import Attention, AttentionConfigError, append_padding_channel
+from longseq.attention.combiner_axial import causal_row_column_flash, flash_row_column_applies
 from longseq.attention.combiner_mixture import LogitGroup, joint_groups_attention
 from longseq.attention.geometry import Grid, logsparse_keys
 from longseq.attention.log_levels import LevelMix, LevelScores, num_levels
@@ -408,6 +409,10 @@ class AxialAttention(SparseAttention):
         B, H, L, D = q.shape
         grid = Grid.of(L, self.block_size)
         n, m = grid.n_rows, grid.n_cols
+        if self.causal and not (self.training and self.dropout > 0):
+            qg, kg, vg = (x.reshape(B, H, n, m, x.shape[-1]) for x in (q, k, v))
+            if flash_row_column_applies(qg, vg):  # own row + own column above: two fused flash calls
+                return causal_row_column_flash(qg, kg, vg, kg, vg).reshape(B, H, L, D)
         qg, kg, vg = (x.reshape(B, H, n, m, D) for x in (self.scale(q), k, v))
         row_mask, col_mask = self.cached("masks", L, q.device, lambda: self.masks(n, m, q.device))
         row_logits = matmul(qg, kg.transpose(-1, -2)).masked_fill(~row_mask, NEG_INF)  # (B, H, n, m, m)
