@@ -23,6 +23,7 @@ from longseq.bench.specs import (
     CONF_DIR,
     GENERIC_NAMES,
     build_spec,
+    parse_label,
     quick_names,
     registered_names,
     select_attentions,
@@ -124,6 +125,27 @@ def test_specs_resolve_yaml_against_synthetic_task_geometry() -> None:
             assert spec.block_size == 16  # resolved for L=256
         assert spec.kwargs["causal"] == spec.causal
     assert build_spec("no_such_attention", 64, causal=True, n_heads=1, head_dim=8).skip_reason
+
+
+def test_attention_labels_override_knobs(tmp_path: Path) -> None:
+    from longseq.bench.run import run_benchmark
+
+    assert parse_label("combiner_axial:row_summary=none:block_size=8") == ("combiner_axial",
+                                                                           {"row_summary": "none", "block_size": 8})
+    with pytest.raises(ValueError, match="name:key=value"):
+        parse_label("combiner_axial:row_summary")
+    spec = build_spec("combiner_axial:row_summary=none", 256, causal=True, n_heads=2, head_dim=8)
+    assert spec.registry_name == "combiner_axial" and spec.kwargs["row_summary"] == "none"
+    assert spec.kwargs["block_size"] == 16  # the YAML's geometry is kept
+    bad = build_spec("combiner_axial:no_such_knob=1", 256, causal=True, n_heads=2, head_dim=8)
+    assert "no_such_knob" in bad.skip_reason and "row_summary" in bad.skip_reason
+
+    cfg = OmegaConf.load(CONF_DIR / "bench.yaml")
+    cfg.merge_with({"attentions": ["full", "combiner_axial:row_summary=wsum"], "lengths": [64], "mode": ["fwd"],
+                    "repeats": 1, "warmup": 1, "isolate": False, "device": "cpu", "throughput": False, "plot": False,
+                    "out_dir": str(tmp_path)})
+    rows = read_rows(run_benchmark(cfg) / "results.csv")
+    assert [(r["attention"], r["status"]) for r in rows] == [("full", "ok"), ("combiner_axial:row_summary=wsum", "ok")]
 
 
 def test_attention_selection() -> None:

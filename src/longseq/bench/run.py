@@ -97,7 +97,7 @@ def run_benchmark(cfg: DictConfig, console: Console | None = None) -> Path:
                     result = cells.CellResult(status, note=note)
                 else:
                     cell_spec = cells.CellSpec(
-                        attention=name, length=length, mode=mode, kwargs=spec.kwargs, batch=cfg.batch,
+                        attention=spec.registry_name, length=length, mode=mode, kwargs=spec.kwargs, batch=cfg.batch,
                         heads=cfg.heads, head_dim=cfg.head_dim, dtype=cfg.dtype, device=device,
                         warmup=cfg.warmup, repeats=cfg.repeats, budget_s=float(cfg.budget_s),
                         threads=cfg.threads, seed=cfg.seed,

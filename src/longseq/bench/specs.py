@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 
 from longseq.attention.registry import ATTENTION_REGISTRY, PARTITION_FAMILIES, accepted_kwargs
@@ -84,6 +85,23 @@ def select_attentions(requested: Any) -> list[str]:
     return names
 
 
+def parse_label(label: str) -> tuple[str, dict[str, Any]]:
+    """``"combiner_axial:row_summary=none"`` -> ``("combiner_axial", {"row_summary": "none"})``.
+
+    An ``attentions`` entry may carry knob overrides after the registry name (``name:key=value[:key=value]``;
+    quote it on the command line: ``'attentions=[full,"combiner_axial:row_summary=none"]'``), so one run can
+    compare settings of one variant. Values are parsed as YAML scalars (``8`` -> int, ``true`` -> bool).
+    """
+    name, *pairs = label.split(":")
+    overrides = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"bench attentions entry {label!r}: expected name:key=value[:key=value], got {pair!r}")
+        overrides[key] = yaml.safe_load(value)
+    return name, overrides
+
+
 def synthetic_block_size(length: int) -> int:
     """A power of two near sqrt(L): 2 ** round(log2(L) / 2), rounding halves up (L=2048 -> 64)."""
     return 2 ** int(math.floor(math.log2(length) / 2 + 0.5))
@@ -93,9 +111,10 @@ def synthetic_block_size(length: int) -> int:
 class AttentionSpec:
     """How one attention is built at one length: resolved constructor keywords plus bookkeeping."""
 
-    name: str
+    name: str  # the label in results: a registry name, optionally with knob overrides (``parse_label``)
     length: int
     causal: bool
+    registry_name: str = ""
     kwargs: dict[str, Any] = field(default_factory=dict)
     block_size: int | None = None
     n_clusters: int | None = None
@@ -150,8 +169,9 @@ def build_spec(
     """
     import longseq.attention  # noqa: F401
 
-    spec = AttentionSpec(name=name, length=length, causal=causal)
-    factory = ATTENTION_REGISTRY.get(name)
+    registry_name, overrides = parse_label(name)
+    spec = AttentionSpec(name=name, length=length, causal=causal, registry_name=registry_name)
+    factory = ATTENTION_REGISTRY.get(registry_name)
     if factory is None:
         spec.skip_reason = f"not registered (valid: {', '.join(registered_names())})"
         return spec
@@ -164,17 +184,22 @@ def build_spec(
         spec.causal = not causal
         spec.note = f"{direction} only: run with causal={str(spec.causal).lower()}"
     task = task_geometry(length, spec.causal, block_size)
+    unknown = sorted(set(overrides) - set(accepted_kwargs(cls)))
+    if unknown:
+        spec.skip_reason = f"{name}: unknown knob(s) {unknown}; valid: {sorted(accepted_kwargs(cls))}"
+        return spec
     try:
-        resolved = load_attention_yaml(name, task, conf_dir)
+        resolved = load_attention_yaml(registry_name, task, conf_dir)
     except FileNotFoundError:
         # No YAML yet: give the geometry knobs the variant accepts the values its YAML would interpolate.
         accepted = accepted_kwargs(cls)
         resolved = {"name": name, **{k: task[k] for k in ("block_size", "n_clusters") if k in accepted}}
-        spec.note = "; ".join(filter(None, [spec.note, f"no conf/attention/{name}.yaml: task geometry"]))
+        spec.note = "; ".join(filter(None, [spec.note, f"no conf/attention/{registry_name}.yaml: task geometry"]))
     except Exception as error:  # an interpolation the synthetic task cannot satisfy
         spec.skip_reason = f"conf/attention/{name}.yaml: {type(error).__name__}: {error}".splitlines()[0]
         return spec
     resolved.pop("name", None)
+    resolved.update(overrides)
     resolved["causal"] = spec.causal
     spec.kwargs = {**resolved, "seq_len": length, "n_heads": n_heads, "head_dim": head_dim, "dropout": 0.0}
     if "block_size" in resolved:
