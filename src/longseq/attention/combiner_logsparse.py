@@ -29,6 +29,7 @@ import torch
 
 from longseq.attention.base import Attention
 from longseq.attention.geometry import fenwick_blocks, num_log_levels
+from longseq.attention.log_levels import LevelMix, LevelScores
 from longseq.attention.registry import register_attention
 from longseq.attention.summary import RegionSummary, effective_attention_matrix, padded_partition
 
@@ -254,29 +255,25 @@ class _PastLevels:
         return slice(start, self.length) if n_full % 2 == 1 and start < self.length else None
 
     def logits(self) -> torch.Tensor:
-        """(B, H, L, levels) logits [previous token, level 1, ...]; masked slots hold 0."""
+        """(B, H, L, levels) logits [previous token, level 1, ...]; unused slots hold -inf.
+
+        Level 0 is the raw previous token (a position), levels >= 1 the even blocks' summary keys: one
+        gather-free ``LevelScores`` call (``log_levels``) with a hand-written backward.
+        """
         qs, k = self.qs, self.k
-        logits = qs.new_zeros(*qs.shape[:-1], self.allowed.shape[-1])
-        logits[..., 1:, 0] = (qs[..., 1:, :] * k[..., :-1, :]).sum(-1)
-        for level, k_bar in enumerate(self.k_bar, start=1):
-            column = logits[..., level]  # (B, H, L) view
-            n_pairs = (self.length >> level) // 2
-            self._odd_chunks(column, level)[...] = (self._odd_chunks(qs, level) * k_bar[..., :n_pairs, None, :]).sum(-1)
-            tail = self._tail(level)
-            if tail is not None:
-                column[..., tail] = (qs[..., tail, :] * k_bar[..., -1:, :]).sum(-1)
-        return logits
+        B, H, L, D = qs.shape
+        if self.n_levels == 0:  # L = 1: the one always-masked slot
+            return qs.new_zeros(B, H, L, 1)
+        summaries = [None, *(k_bar.reshape(B * H, -1, k_bar.shape[-1]) for k_bar in self.k_bar)]
+        scores = LevelScores.apply(qs.reshape(B * H, L, D), k.reshape(B * H, L, D), False, *summaries)
+        return scores.view(B, H, self.n_levels, L).transpose(-1, -2)
 
     def output(self, weights: torch.Tensor) -> torch.Tensor:
         """Weights (B, H, L, levels) of [previous token, level 1, ...] -> their output part (B, H, L, Dv)."""
         v = self.v
-        out = torch.zeros_like(v)
-        out[..., 1:, :] = weights[..., 1:, 0:1] * v[..., :-1, :]
-        for level, v_bar in enumerate(self.v_bar, start=1):
-            w = weights[..., level]
-            n_pairs = (self.length >> level) // 2
-            self._odd_chunks(out, level)[...] += self._odd_chunks(w, level).unsqueeze(-1) * v_bar[..., :n_pairs, None, :]
-            tail = self._tail(level)
-            if tail is not None:
-                out[..., tail, :] += w[..., tail].unsqueeze(-1) * v_bar[..., -1:, :]
-        return out
+        B, H, L, Dv = v.shape
+        if self.n_levels == 0:
+            return torch.zeros_like(v)
+        summaries = [None, *(v_bar.reshape(B * H, -1, Dv) for v_bar in self.v_bar)]
+        w = weights.transpose(-1, -2).reshape(B * H, self.n_levels, L)
+        return LevelMix.apply(w, v.reshape(B * H, L, Dv), False, *summaries).view(B, H, L, Dv)

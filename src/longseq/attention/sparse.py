@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from longseq.attention.base import Attention, AttentionConfigError, append_padding_channel
 from longseq.attention.combiner_axial import causal_row_column_flash, flash_row_column_applies
 from longseq.attention.combiner_mixture import LogitGroup, joint_groups_attention
-from longseq.attention.geometry import Grid, logsparse_keys
-from longseq.attention.log_levels import LevelMix, LevelScores, num_levels
+from longseq.attention.geometry import Grid, logsparse_keys, num_log_levels
+from longseq.attention.log_levels import LevelMix, LevelScores
 from longseq.attention.registry import register_attention
 
 NEG_INF = float("-inf")
@@ -541,7 +541,7 @@ class LogSparseAttention(SparseAttention):
         # the mirror image is the causal pattern of the reversed sequence (without self, counted once)
         mirrored = LevelScores.apply(qs.flip(1), kf.flip(1), False).flip(-1)
         weights = self.weight_dropout(torch.cat([logits, mirrored], 1).softmax(1))
-        own = 1 + num_levels(L)
+        own = 1 + num_log_levels(L)
         out = LevelMix.apply(weights[:, :own], vf, True)
         out = out + LevelMix.apply(weights[:, own:].flip(-1), vf.flip(1), False).flip(1)
         return out.view(B, H, L, -1)
