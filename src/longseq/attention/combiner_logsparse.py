@@ -14,7 +14,8 @@ are the ordinary aligned blocks.)
 
 One softmax over the 1 + Λ (causal) or 1 + 2Λ (bidirectional) candidate logits per query. Summaries:
 k_bar = pooled keys of the block, v_bar = sum_j softmax_j(q_bar . k_j) v_j with q_bar the pooled scaled
-queries. Cost O(L D log L) time and O(L log L + L D) memory.
+queries. Cost O(L D log L) time and O(L log L + L D) memory; the level logits and outputs are the
+gather-free broadcasts of ``log_levels`` (shared with ``logsparse``), with a hand-written backward.
 
 Key padding (``key_padding_mask`` (B, L), True = pad; LRA): a padded key gets no direct weight (self, raw
 previous/next token) and is left out of every block's pooled query, pooled key and inner softmax; a block
