@@ -250,8 +250,8 @@ class ClusteredAttention(Attention):
         Bidirectional: one balanced partition, ``query_routes`` is None (a query's cluster is its own).
         Causal: key clusters balanced per segment, query routes = nearest centroid.
         ``real`` ``(B, L)`` bool (key padding, False = pad): padded keys are placed after the real ones
-        (``balanced_assignment``'s ``deferred``) and padded queries get route K (no centroid), so they
-        take no query slot from a real query.
+        (``balanced_assignment``'s ``deferred``) and, causal, padded queries get route K (no centroid), so
+        they take no query slot from a real query.
         """
         pad = None if real is None else ~real.unsqueeze(1)  # (B, 1, L)
         if not self.causal:

@@ -84,13 +84,17 @@ class RegionPartition:
         """This partition for one document with key padding ``pad`` ``(L,)`` bool (True = pad).
 
         ``summary.padded_partition``'s rule (padded keys out of the direct set and the regions, regions
-        without a real key unusable, empty rows fall back to their unpadded direct keys); in addition a
-        region summarized by a padded position's own query (``anchor`` padded) is unusable, since its
-        summary key and query would carry the padded position's contents. Regions left empty are dropped.
+        without a real key unusable, empty rows fall back to their unpadded direct keys). A region summarized
+        by a position's own query (``anchor``) whose anchor is padding is summarized by its first real
+        member's query instead, so no padded content enters a summary and every real key stays reachable.
+        Regions left empty are dropped.
         """
-        anchored_on_pad = (self.anchor >= 0) & pad[self.anchor.clamp(min=0)]  # (R,); -1 = pooled region
-        direct, members, usable = padded_partition(self.direct, self.members, self.usable & ~anchored_on_pad, pad)
-        return RegionPartition.from_candidates(direct, members, usable, self.family, self.anchor)
+        anchor = self.anchor
+        on_pad = (anchor >= 0) & pad[anchor.clamp(min=0)]  # (R,); -1 = pooled region
+        first_real = (self.members & ~pad).int().argmax(-1)  # (R,) first real member (any if none: dropped)
+        anchor = torch.where(on_pad, first_real, anchor)
+        direct, members, usable = padded_partition(self.direct, self.members, self.usable, pad)
+        return RegionPartition.from_candidates(direct, members, usable, self.family, anchor)
 
     @classmethod
     def from_candidates(cls, direct, members, usable, family, anchor) -> RegionPartition:
@@ -325,9 +329,10 @@ class CombinerAxialRowMajor(Attention):
         return split_heads(self.summary_out(hidden), H)
 
     # Key padding (LRA): padded keys get no direct weight and are left out of every row summary's inner
-    # softmax; a region whose row-mate anchor (r', c) is padded is masked (its query and key would be the
-    # padded position's), so with a ragged tail a query loses the last real row only in the columns where
-    # that row is already padding. A padded query with nothing left falls back to its unpadded direct keys.
+    # softmax. A row's summary for column c is made by its row-mate (r', c); where that row-mate is padding,
+    # the row's first real position makes it instead (its query and key stand in), so padded contents never
+    # enter a summary and every real key stays reachable (full support). A row without a real key is
+    # masked; a padded query with nothing left falls back to its unpadded direct keys.
     supports_padding_mask = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -347,22 +352,27 @@ class CombinerAxialRowMajor(Attention):
             pad = key_padding_mask.to(device=q.device, dtype=torch.bool).view(-1, 1, n, 1, m)  # (B,1,n,1,m)
             empty_row = pad.all(-1, keepdim=True)  # its regions are masked below; any finite inner row will do
             inner_logits = row_logits.masked_fill(pad & ~empty_row, NEG_INF)
-            anchor_pad = pad.view(-1, 1, n, m).transpose(-1, -2).unsqueeze(2)  # (B,1,1,m[c],n[r'])
-            joint_mask = joint_mask | torch.cat([pad.expand(-1, 1, n, m, m), anchor_pad.expand(-1, 1, n, m, n)], -1)
-            direct_only = self.joint_mask(n, m, q.device).clone()
+            direct_only = joint_mask.clone()
             direct_only[..., m:] = True
+            unusable_row = empty_row.view(-1, 1, 1, 1, n).expand(-1, 1, n, m, n)  # (B,1,n[r],m[c],n[r'])
+            joint_mask = joint_mask | torch.cat([pad.expand(-1, 1, n, m, m), unusable_row], -1)
             joint_mask = torch.where(joint_mask.all(-1, keepdim=True), direct_only, joint_mask)
         row_probs = inner_logits.softmax(-1)
         summary_v = row_probs @ vr  # (B,H,n[r'],m[c],D)
         k_wsum = row_probs @ kr if self.row_summary == "wsum" else None
         summary_k = self.summary_keys(summary_v, kr, k_wsum)
+        if key_padding_mask is not None:  # a padded row-mate's summary is made by the row's first real position
+            real = ~pad.view(-1, n, m)
+            cols = torch.arange(m, device=q.device)
+            anchor = torch.where(real, cols, real.int().argmax(-1, keepdim=True))  # (B, n, m[c]) -> column
+            summary_v, summary_k = (x.gather(3, anchor[:, None, :, :, None].expand_as(x)) for x in (summary_v, summary_k))
 
         # Column layout: query (r, c) meets summary (r', c) of its own column c. Batched matmuls get
         # contiguous operands: strided batches make CPU bmm copy matrix by matrix.
         q_col = qr.transpose(2, 3).contiguous()
         summary_logits = q_col @ summary_k.transpose(2, 3).contiguous().transpose(-1, -2)  # (B,H,m,n,n)
         logits = torch.cat([row_logits, summary_logits.transpose(2, 3)], -1)  # (B,H,n,m,m+n)
-        logits = logits.masked_fill(joint_mask, NEG_INF)
+        logits.masked_fill_(joint_mask, NEG_INF)  # in place: cat's backward does not need its output
         weights = self.weight_dropout(logits.softmax(-1))
         direct_w, summary_w = weights.split([m, n], -1)
         out = direct_w @ vr

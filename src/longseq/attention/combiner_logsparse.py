@@ -256,7 +256,8 @@ class _PastLevels:
         return slice(start, self.length) if n_full % 2 == 1 and start < self.length else None
 
     def logits(self) -> torch.Tensor:
-        """(B, H, L, levels) logits [previous token, level 1, ...]; unused slots hold -inf.
+        """(B, H, L, levels) logits [previous token, level 1, ...]; unused slots hold -inf
+        (L = 1: one slot holding 0, always masked by the caller).
 
         Level 0 is the raw previous token (a position), levels >= 1 the even blocks' summary keys: one
         gather-free ``LevelScores`` call (``log_levels``) with a hand-written backward.

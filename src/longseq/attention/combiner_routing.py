@@ -38,7 +38,7 @@ Key padding (``key_padding_mask`` (B, L), True = pad; LRA). Padded keys still ta
 balanced assignment places them after every real key, into the room left, so real keys cluster as
 without the padding's contents), but get no direct weight, are left out of every cluster summary (pooled
 query, pooled key, inner softmax), and a cluster (or causal region R(c, g)) without a real key is masked.
-Padded queries are routed nowhere (route K: they take no query slot), and only real keys move the
+Causal padded queries are routed nowhere (route K: they take no query slot), and only real keys move the
 centroids in training. A query left with nothing (only a padded one can be) falls back to its unpadded
 direct keys. ``attention_matrix`` applies the shared rule ``summary.padded_partition`` per document.
 """
@@ -277,7 +277,8 @@ class CombinerRoutingAttention(ClusteredAttention):
     # -- reference --------------------------------------------------------------------------------
     def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, H, L, L) effective weights, written densely from ``partition`` (small L only)."""
+        """(B, H, L, L) effective weights, written densely from ``partition`` (small L only); with
+        ``key_padding_mask`` each document's partition follows ``summary.padded_partition``."""
         if key_padding_mask is not None:
             return self.padded_attention_matrix(q, k, key_padding_mask.to(device=q.device, dtype=torch.bool))
         B, H, L, D = q.shape

@@ -519,9 +519,9 @@ class LogSparseAttention(SparseAttention):
     def __init__(self, *, causal: bool, **base) -> None:
         super().__init__(causal=causal, **base)
 
-    def index_table(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def index_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(L, K) sorted key table without repeats, and its validity."""
-        idx, valid = logsparse_keys(length, device)
+        idx, valid = logsparse_keys(length)
         if not self.causal:  # mirror: row i of the reversed table, keys reflected
             mirrored = (length - 1 - idx).flip(0)[:, 1:]
             idx = torch.cat([idx, mirrored], 1)
@@ -529,7 +529,7 @@ class LogSparseAttention(SparseAttention):
         return dedupe_index_table(idx, valid, length)
 
     def pattern(self, length: int) -> torch.Tensor:
-        return pattern_from_index_table(*self.index_table(length, None), length)
+        return pattern_from_index_table(*self.index_table(length), length)
 
     def forward(self, q, k, v):
         B, H, L, D = q.shape
