@@ -2,7 +2,8 @@
 
 Semantics follow kimiyoung/transformer-xl (``pytorch/mem_transformer.py``, attn_type 0):
 
-- score(i, j) = [(q_i + u) . k_j] + [(q_i + v) . W_R R_{i-j}], times 1/sqrt(D); u, v shared by all layers;
+- score(i, j) = [(q_i + u) . k_j] + [(q_i + v) . W_R R_{i-j}], times 1/sqrt(D); u, v shared by all layers
+  (kimiyoung PyTorch) or one pair per layer (``untie_r``: the TF / HF released models);
   R = sinusoid table (sin half, then cos half) at distances ``klen-1 ... 0`` clamped at ``clamp_len``,
   aligned to each query by ``rel_shift``.
 - q from the current segment; k, v from concat(memory, segment) of the layer input; no projection biases.
@@ -11,7 +12,9 @@ Semantics follow kimiyoung/transformer-xl (``pytorch/mem_transformer.py``, attn_
   ``mem_init="empty"`` starts with none (Transformer-XL), ``"zeros"`` with ``mem_len`` visible zero
   states (HF / TRAMS).
 - ``same_length``: every query sees the same number of keys once memory is full.
-- embedding x sqrt(d_model); tied output softmax with bias, adaptive for large vocabularies.
+- embedding x sqrt(d_model); tied output softmax with bias, adaptive for large vocabularies; adaptive input
+  embeddings with ``d_embed != d_model`` / ``div_val > 1`` and (tied) projections as in the released large
+  models (``longseq.models.adaptive_softmax``).
 
 Memories are lists of ``(B, T, d_model)`` tensors (batch first), one per layer.
 """
@@ -26,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from longseq.models.adaptive_softmax import AdaptiveLogSoftmax
+from longseq.models.adaptive_softmax import AdaptiveEmbedding, AdaptiveLogSoftmax
 from longseq.models.trams import TramsSpec, gather_keys, kept_indices, key_scores, query_weights
 
 MEM_INITS = ("empty", "zeros")
@@ -48,6 +51,12 @@ class MemorySpec:
             raise ValueError(f"memory.mem_init={self.mem_init!r} is not valid; choose one of {MEM_INITS}")
         if self.mem_len < 0:
             raise ValueError(f"memory.mem_len={self.mem_len} must be >= 0")
+        if self.trams is not None and self.trams.topk > self.mem_len - self.trams.recent_keep:
+            # Otherwise the layer never finds topk candidates and silently runs plain XL over the pool.
+            raise ValueError(
+                f"memory.topk={self.trams.topk} exceeds memory.pool - memory.recent_keep = {self.mem_len} - "
+                f"{self.trams.recent_keep} = {self.mem_len - self.trams.recent_keep} older slots: TRAMS could "
+                "never select that many; lower memory.topk or memory.recent_keep, or raise memory.pool")
 
     def with_(self, **changes) -> MemorySpec:
         return replace(self, **changes)
@@ -117,6 +126,9 @@ class RelMultiHeadAttention(nn.Module):
         q_v = q + bias_v[:, None]
         trams = spec.trams
         n_candidates = mlen - trams.recent_keep if trams is not None else 0
+        # Before the pool fills (mem_init=empty: the first segments) there may be no more than
+        # recent_keep + topk memory slots: all of them are kept, i.e. plain XL over the partial pool.
+        # With a full pool this always selects (MemorySpec rejects topk > pool - recent_keep).
         if trams is not None and 0 < n_candidates and trams.topk <= n_candidates:
             w_q = query_weights(self.qkv.weight, self.n_heads, self.d_head)
             scores = key_scores(k[:, :, :n_candidates], w_q, trams.score)
@@ -174,7 +186,13 @@ class TransformerXL(nn.Module):
         vocab_size: tokens; n_layers, d_model, n_heads, d_inner: sizes; d_head: per-head width
             (None: d_model // n_heads); dropout / dropatt: residual / attention-weight dropout;
         pre_lnorm: pre-LN blocks; cutoffs: adaptive-softmax cluster boundaries ([] = plain softmax);
-        tie_weight: share the input embedding with the output layer.
+        tie_weight: share the input embedding (tables) with the output layer;
+        d_embed: embedding width (None: d_model; otherwise projected to d_model);
+        div_val: cluster ``i`` has width ``d_embed // div_val**i`` (1 = one table);
+        tie_projs: per cluster (shortlist first), share the output projection with the input one
+            (``div_val = 1``: the single input projection; else cluster ``i``'s); [] = none shared;
+        untie_r: one u/v pair per layer instead of one shared pair;
+        proj_init_std: std of the embedding / softmax projections at initialisation.
 
     ``forward(tokens (B, Q), mems, spec) -> (hidden (B, Q, d), new mems)``;
     ``nll(hidden, targets) -> (B, Q)``.
@@ -183,36 +201,55 @@ class TransformerXL(nn.Module):
     def __init__(self, vocab_size: int, n_layers: int, d_model: int, n_heads: int, d_inner: int,
                  d_head: int | None = None, dropout: float = 0.1, dropatt: float = 0.0,
                  pre_lnorm: bool = False, cutoffs: Sequence[int] = (), tie_weight: bool = True,
-                 init_std: float = 0.02) -> None:
+                 init_std: float = 0.02, d_embed: int | None = None, div_val: int = 1,
+                 tie_projs: Sequence[bool] = (), untie_r: bool = False, proj_init_std: float = 0.01) -> None:
         super().__init__()
         d_head = d_head or d_model // n_heads
         self.vocab_size, self.n_layers, self.d_model = vocab_size, n_layers, d_model
-        self.n_heads, self.d_head, self.pre_lnorm = n_heads, d_head, pre_lnorm
-        self.token_embedding = nn.Embedding(vocab_size, d_model)
-        self.pos_bias_u = nn.Parameter(torch.zeros(n_heads, d_head))  # u, shared by all layers
-        self.pos_bias_v = nn.Parameter(torch.zeros(n_heads, d_head))  # v
+        self.n_heads, self.d_head, self.pre_lnorm, self.untie_r = n_heads, d_head, pre_lnorm, untie_r
+        self.token_embedding = AdaptiveEmbedding(vocab_size, d_model, d_embed, cutoffs, div_val)
+        bias_shape = (n_layers, n_heads, d_head) if untie_r else (n_heads, d_head)
+        self.pos_bias_u = nn.Parameter(torch.zeros(bias_shape))  # u (per layer with untie_r)
+        self.pos_bias_v = nn.Parameter(torch.zeros(bias_shape))  # v
         self.drop = nn.Dropout(dropout)
         self.layers = nn.ModuleList(XLLayer(d_model, n_heads, d_head, d_inner, dropout, dropatt, pre_lnorm)
                                     for _ in range(n_layers))
         self.final_norm = nn.LayerNorm(d_model) if pre_lnorm else nn.Identity()
-        self.output = AdaptiveLogSoftmax(vocab_size, d_model, cutoffs,
-                                         self.token_embedding.weight if tie_weight else None)
-        self.reset_parameters(init_std)
+        embedding = self.token_embedding
+        tie_projs = list(tie_projs) + [False] * (len(cutoffs) + 1 - len(tie_projs))
+        shared = [(embedding.projections[0] if div_val == 1 else embedding.projections[i])
+                  if tie and len(embedding.projections) else None for i, tie in enumerate(tie_projs)]
+        self.output = AdaptiveLogSoftmax(
+            vocab_size, d_model, cutoffs, embedding.weight if tie_weight and div_val == 1 else None, d_embed,
+            div_val, list(embedding.tables) if tie_weight and div_val > 1 else None, shared)
+        self.reset_parameters(init_std, proj_init_std)
 
-    def reset_parameters(self, std: float) -> None:
+    def reset_parameters(self, std: float, proj_std: float = 0.01) -> None:
+        """N(0, std) weights, zero biases, LayerNorm (1, 0), projections N(0, proj_std) (Transformer-XL's init)."""
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
+            if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=std)
-                if getattr(module, "bias", None) is not None:
+                if module.bias is not None:
                     nn.init.zeros_(module.bias)
-        for p in (self.pos_bias_u, self.pos_bias_v, getattr(self.output, "cluster_weight", None)):
+        tables = [self.token_embedding.weight] if self.token_embedding.div_val == 1 else self.token_embedding.tables
+        output = self.output
+        own_tables = [output.weight] if output.div_val == 1 else list(output.tables)
+        for p in (*tables, *own_tables, self.pos_bias_u, self.pos_bias_v, getattr(output, "cluster_weight", None)):
             if p is not None:
                 nn.init.normal_(p, std=std)
+        for p in (*self.token_embedding.projections, *output.projections):
+            nn.init.normal_(p, std=proj_std)
+
+    def layer_biases(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """u, v ``(H, D)`` of layer ``layer`` (the shared pair unless ``untie_r``)."""
+        if self.untie_r:
+            return self.pos_bias_u[layer], self.pos_bias_v[layer]
+        return self.pos_bias_u, self.pos_bias_v
 
     def init_memory(self, batch: int, spec: MemorySpec, device=None, dtype=None) -> list[torch.Tensor]:
         """Empty memories ``(B, 0, d)``, or ``mem_len`` zero states per layer (``mem_init=zeros``)."""
-        device = device or self.token_embedding.weight.device
-        dtype = dtype or self.token_embedding.weight.dtype
+        device = device or self.pos_bias_u.device
+        dtype = dtype or self.pos_bias_u.dtype
         length = spec.mem_len if spec.mem_init == "zeros" else 0
         return [torch.zeros(batch, length, self.d_model, device=device, dtype=dtype)
                 for _ in range(self.n_layers)]
@@ -222,7 +259,7 @@ class TransformerXL(nn.Module):
         distances = torch.arange(klen - 1, -1, -1.0, device=device)
         if clamp_len > 0:
             distances = distances.clamp(max=clamp_len)
-        return sinusoid_embedding(distances, self.d_model).to(self.token_embedding.weight.dtype)
+        return sinusoid_embedding(distances, self.d_model).to(self.pos_bias_u.dtype)
 
     def forward(self, tokens: torch.Tensor, mems: list[torch.Tensor] | None, spec: MemorySpec,
                 stats: dict | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -234,9 +271,9 @@ class TransformerXL(nn.Module):
         x = self.drop(self.token_embedding(tokens) * self.d_model ** 0.5)
         pos_emb = self.drop(self.positions(mems[0].shape[1] + Q, spec.clamp_len, tokens.device))
         layer_inputs = []
-        for layer, mem in zip(self.layers, mems):
+        for i, (layer, mem) in enumerate(zip(self.layers, mems)):
             layer_inputs.append(x)
-            x = layer(x, mem, pos_emb, self.pos_bias_u, self.pos_bias_v, spec, stats)
+            x = layer(x, mem, pos_emb, *self.layer_biases(i), spec, stats)
         hidden = self.drop(self.final_norm(x))
         with torch.no_grad():
             new_mems = [torch.cat([mem, h], dim=1)[:, max(0, mem.shape[1] + Q - spec.mem_len):].detach()

@@ -13,7 +13,12 @@ Evaluation runs one or two memory settings over the same batches, each with its 
 ``xl`` (``memory.eval_mem_len``) and, with ``memory.selection=trams``, ``trams`` (pool ``memory.pool`` = M,
 ``memory.recent_keep`` + ``memory.topk`` = m keys per head). Logged: ``<split>/<metric>`` (xl),
 ``<split>/trams_<metric>``, the average attention probability the queries put on memory keys
-(``<split>/mem_mass``, ``<split>/trams_mem_mass``), ``<split>/nll`` and ``<split>/tokens``.
+(``<split>/mem_mass``, ``<split>/trams_mem_mass``), ``<split>/nll`` and ``<split>/tokens``; the test split also
+prints them side by side in one table (the TRAMS paper's Table 1).
+
+Pretrained models: ``task.module.init_from=hf:<dir>`` / ``kimiyoung:<state dict>`` imports a released
+checkpoint (``longseq.models.xl_import``) with its vocabulary; the datamodule's token ids are then mapped to
+the checkpoint's ids through the symbols (WikiText-103 words, enwik8 bytes as decimal strings).
 """
 
 from __future__ import annotations
@@ -28,17 +33,33 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 from torchmetrics import MinMetric, SumMetric
 
+from longseq.data.text import ByteCorpusDataModule
 from longseq.models.trams import TramsSpec
 from longseq.models.transformer_xl import MemorySpec, TransformerXL
+from longseq.models.xl_import import import_checkpoint, model_ids, parse_init_from
 from longseq.tasks.base import SequenceTask, to_dict
 from longseq.tasks.lm import METRICS, from_nll
 from longseq.tasks.metrics import MeanNLL
+from longseq.utils.checkpoint import check_model_matches, read_checkpoint
+from longseq.utils.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 LOSS_PROTOCOLS = ("xl_next_token", "hf_in_segment_shift")
 SELECTIONS = ("none", "trams")
+
+
+def data_symbols(dm: Any) -> list[str]:
+    """The symbol of every token id the datamodule emits: its word list, or the decimal byte values of a
+    byte corpus (how Transformer-XL's enwik8 vocabulary spells bytes)."""
+    if callable(getattr(dm, "vocabulary", None)):
+        return dm.vocabulary()
+    if isinstance(dm, ByteCorpusDataModule):
+        return [str(b) for b in range(256)]
+    raise ConfigError("task.module.init_from", "a checkpoint with its own vocabulary needs a task whose tokens "
+                                               f"have symbols (wikitext103, enwik8, text8); {type(dm).__name__} "
+                                               "has none")
 
 
 class StreamSegments(IterableDataset):
@@ -93,8 +114,9 @@ class XLLanguageModel(L.LightningModule):
         vocab_size, seq_len, metric: from the LM task (``seq_len`` is unused: segments are ``tgt_len``).
         num_levels, image_shape: accepted so ``model=transformer_xl`` composes with an image task, which
             then fails at setup (no token streams).
-        init_from: a Lightning checkpoint whose weights are loaded at construction (evaluate a trained
-            model under other memory settings, e.g. ``experiment=enwik8/xl_trams``).
+        init_from: weights loaded at construction (evaluate under other memory settings): a Lightning
+            checkpoint of this project (``experiment=enwik8/xl_trams``), or a released Transformer-XL,
+            ``hf:<dir>`` / ``kimiyoung:<state dict>`` (``experiment=wikitext103/trams_pretrained``).
     """
 
     def __init__(self, model: dict, attention: dict, optimizer: dict, scheduler: dict | None, memory: dict,
@@ -110,7 +132,7 @@ class XLLanguageModel(L.LightningModule):
                              "use attention=full with attention.causal=true")
         if metric not in METRICS:
             raise ValueError(f"task.module.metric={metric!r} is not valid; choose one of {METRICS}")
-        vocab = vocab_size or num_levels
+        vocab = model.pop("vocab_size", None) or vocab_size or num_levels  # model.vocab_size: a checkpoint's
         if not vocab:
             raise ValueError("model=transformer_xl needs task.module.vocab_size")
         self.metric, self.tgt_len = metric, int(model.pop("tgt_len"))
@@ -135,10 +157,16 @@ class XLLanguageModel(L.LightningModule):
         self.mass = torch.nn.ModuleDict({key: MeanNLL() for key in keys})  # attention mass on memory
         self.tokens = torch.nn.ModuleDict({s: SumMetric() for s in ("val", "test")})
         self.best = MinMetric()
+        self.results: dict[str, dict[str, float]] = {}  # last logged split: evaluator -> metric, nll, mem_mass
         self.mems: dict[str, list[torch.Tensor] | None] = {}
-        if init_from:
-            state = torch.load(init_from, map_location="cpu", weights_only=False)
-            self.load_state_dict(state.get("state_dict", state))
+        self.vocabulary: list[str] | None = None  # the imported checkpoint's symbols, by id
+        self.model_streams: dict[str, np.ndarray] = {}
+        if init_from and parse_init_from(init_from):
+            self.vocabulary = import_checkpoint(init_from, self.net).vocabulary
+        elif init_from:
+            state = read_checkpoint(init_from, key="task.module.init_from")
+            check_model_matches(state, self, init_from, key="task.module.init_from")
+            self.load_state_dict(state["state_dict"])
             log.info(f"loaded weights from {init_from}")
 
     # ------------------------------------------------------------------------------------------ data
@@ -153,8 +181,9 @@ class XLLanguageModel(L.LightningModule):
         def loader(split: str, global_streams: int, tgt_len: int) -> DataLoader:
             world, rank = getattr(dm, "world_size", 1), getattr(dm, "rank", 0)
             rows = global_streams // world
-            data = StreamSegments(dm.streams[split], rows * world, tgt_len, first=rank * rows, rows=rows,
-                                  loss_protocol="xl_next_token" if split == "train" else self.loss_protocol)
+            protocol = "xl_next_token" if split == "train" else self.loss_protocol
+            data = StreamSegments(self.model_stream(dm, split), rows * world, tgt_len, first=rank * rows,
+                                  rows=rows, loss_protocol=protocol)
             return DataLoader(data, batch_size=None, num_workers=0)
 
         def train_dataloader() -> DataLoader:
@@ -168,6 +197,16 @@ class XLLanguageModel(L.LightningModule):
 
         dm.train_dataloader, dm.val_dataloader = train_dataloader, val_dataloader
         dm.test_dataloader = test_dataloader
+
+    def model_stream(self, dm: Any, split: str) -> np.ndarray:
+        """The datamodule's split in the model's token ids (mapped through the symbols once per split when
+        the weights came with their own vocabulary)."""
+        if self.vocabulary is None:
+            return dm.streams[split]
+        if split not in self.model_streams:
+            self.model_streams[split] = model_ids(dm.streams[split], data_symbols(dm), self.vocabulary,
+                                                  f"{type(dm).__name__} split '{split}'")
+        return self.model_streams[split]
 
     # -------------------------------------------------------------------------------------- training
 
@@ -213,6 +252,7 @@ class XLLanguageModel(L.LightningModule):
 
     def log_split(self, split: str) -> torch.Tensor:
         primary = None
+        self.results = {}
         for name in self.eval_specs:
             nll_metric, mass_metric = self.nll[f"{split}_{name}"], self.mass[f"{split}_{name}"]
             nll, mass = nll_metric.compute(), mass_metric.compute()
@@ -223,6 +263,7 @@ class XLLanguageModel(L.LightningModule):
             self.log(f"{prefix}{self.metric}", value, prog_bar=True)
             self.log(f"{prefix}nll", nll)
             self.log(f"{prefix}mem_mass", mass)
+            self.results[name] = {self.metric: float(value), "nll": float(nll), "mem_mass": float(mass)}
             if name == "xl":
                 primary = value
         self.log(f"{split}/tokens", self.tokens[split].compute().float())
@@ -245,3 +286,58 @@ class XLLanguageModel(L.LightningModule):
 
     def on_test_epoch_end(self) -> None:
         self.log_split("test")
+        if self.trainer.is_global_zero:
+            print_comparison(self.results, self.eval_specs, self.eval_tgt_len, self.metric)
+
+
+    # ------------------------------------------------------------------------------------ generation
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, n_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None, progress: bool = False) -> torch.Tensor:
+        """Continue ``prompt`` (B, P) model token ids by ``n_tokens`` sampled tokens -> (B, n_tokens).
+
+        Generates through Transformer-XL's own memory (the evaluation setting ``memory.eval_mem_len``): the
+        prompt is one segment, then every new token is a one-token segment attending to the carried memory,
+        so the context is the last ``eval_mem_len`` tokens plus the current one. Dropout is off.
+        """
+        from longseq.models.transformer import eval_mode
+        from longseq.tasks.sampling import check_sampling, pick_next, progress_bar
+
+        check_sampling(temperature, top_k)
+        spec = self.eval_specs["xl"]
+        tokens = prompt.to(self.device)
+        out = torch.empty(tokens.shape[0], n_tokens, dtype=torch.long, device=self.device)
+        with eval_mode(self.net), progress_bar(progress) as bar:
+            task = bar.add_task(f"generating {n_tokens} tokens (XL memory {spec.mem_len})", total=out.numel())
+            mems = None
+            for i in range(n_tokens):
+                hidden, mems = self.net(tokens, mems, spec)
+                out[:, i] = pick_next(self.net.output.log_prob(hidden[:, -1]), temperature, top_k, generator)
+                tokens = out[:, i : i + 1]
+                bar.advance(task, out.shape[0])
+        return out
+
+
+def memory_description(spec: MemorySpec, tgt_len: int) -> str:
+    """``M`` / ``m`` / ``n`` of one evaluator, as the TRAMS paper names them."""
+    if spec.trams is None:
+        return f"XL memory {spec.mem_len}, n={tgt_len}"
+    t = spec.trams
+    return (f"pool M={spec.mem_len}, m={t.recent_keep + t.topk} ({t.recent_keep} newest + top-{t.topk} by "
+            f"{t.score} score), n={tgt_len}")
+
+
+def print_comparison(results: dict[str, dict[str, float]], specs: dict[str, MemorySpec], tgt_len: int,
+                     metric: str) -> None:
+    """XL and TRAMS side by side with the attention mass on memory (the TRAMS paper's Table 1)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="test: memory settings side by side")
+    for column in ("evaluator", "memory", metric, "nll", "mem_mass"):
+        table.add_column(column, justify="left" if column in ("evaluator", "memory") else "right")
+    for name, values in results.items():
+        table.add_row(name, memory_description(specs[name], tgt_len), f"{values[metric]:.4f}",
+                      f"{values['nll']:.4f}", f"{values['mem_mass']:.4f}")
+    Console().print(table)

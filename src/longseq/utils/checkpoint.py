@@ -1,0 +1,111 @@
+"""Checkpoint files: atomic writes, a readable check of ``ckpt_path``, and a match against the composed model.
+
+One home for "is this checkpoint usable?": ``train.py`` (before the run directory exists), ``runner.train``
+and ``eval.py`` all call ``read_checkpoint`` / ``check_model_matches``.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from longseq.utils.errors import ConfigError
+
+OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``torch.save`` into ``<file>.tmp`` next to the target, fsync, then ``os.replace``.
+
+    A kill -9 or a full disk mid-write leaves the previous checkpoint intact (Lightning's own transaction
+    writes to the system temp dir and moves across filesystems, which is a copy, not a rename).
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("AtomicCheckpointIO does not take storage_options")
+        save_atomically(checkpoint, Path(path))
+
+
+def save_atomically(obj: Any, path: Path) -> None:
+    """Write ``obj`` with ``torch.save`` so that ``path`` is either the old file or the complete new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def run_dir_of(ckpt_path: str | Path) -> Path | None:
+    """The run directory of ``<run>/checkpoints/<file>.ckpt`` (it holds ``.hydra/``), else None."""
+    path = Path(ckpt_path).resolve()
+    run = path.parent.parent
+    if path.parent.name == "checkpoints" and (run / ".hydra").is_dir():
+        return run
+    return None
+
+
+def read_checkpoint(ckpt_path: str | Path, key: str = "ckpt_path") -> dict[str, Any]:
+    """Load a Lightning checkpoint on CPU (memory-mapped), or raise ``ConfigError(key, ...)`` naming the file.
+
+    Catches what a truncated or foreign file raises (``PytorchStreamReader failed``, ``EOFError``, unpickling
+    errors) and says which file is broken and what to use instead.
+    """
+    path = Path(ckpt_path)
+    if not path.is_file():
+        hint = ""
+        if path.parent.is_dir():
+            found = sorted(p.name for p in path.parent.glob("*.ckpt"))
+            hint = f"; {path.parent} holds {found}" if found else f"; {path.parent} holds no .ckpt file"
+        raise ConfigError(key, f"{path} does not exist{hint}")
+    try:
+        mmap = zipfile.is_zipfile(path)  # mmap needs the zip format; anything else fails below with its reason
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    except Exception as exc:  # noqa: BLE001 - every reader failure means the same thing to the user
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(key, f"{path} cannot be read as a checkpoint (truncated or not a checkpoint: {reason}); "
+                               "use another file from its checkpoints/ directory (last.ckpt, best.ckpt)") from exc
+    if not isinstance(state, dict) or "state_dict" not in state:
+        raise ConfigError(key, f"{path} is not a Lightning checkpoint (no 'state_dict' entry)")
+    return state
+
+
+def check_model_matches(state: dict[str, Any], model: torch.nn.Module, ckpt_path: str | Path,
+                        key: str = "ckpt_path", limit: int = 6) -> None:
+    """Raise ``ConfigError`` naming the differing parameter keys when ``state`` cannot load into ``model``.
+
+    ``model`` may live on the meta device (only names and shapes are compared). The message points at the
+    producing run's ``.hydra/overrides.yaml``, which lists the overrides the checkpoint was trained with.
+    """
+    saved = {k: tuple(v.shape) for k, v in state["state_dict"].items() if hasattr(v, "shape")}
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected))
+    reshaped = sorted(k for k in set(saved) & set(expected) if saved[k] != expected[k])
+    if not (missing or unexpected or reshaped):
+        return
+
+    def some(keys: list[str]) -> str:
+        return ", ".join(keys[:limit]) + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
+
+    parts = []
+    if missing:
+        parts.append(f"missing in the checkpoint: {some(missing)}")
+    if unexpected:
+        parts.append(f"not in the composed model: {some(unexpected)}")
+    if reshaped:
+        parts.append("shape differs: " + ", ".join(f"{k} {saved[k]} vs {expected[k]}" for k in reshaped[:limit]))
+    run = run_dir_of(ckpt_path)
+    where = (f"; it was trained with the overrides in {run / OVERRIDES_FILE}: pass the same model/attention/task "
+             "overrides" if run else "; pass the model/attention/task overrides it was trained with")
+    raise ConfigError(key, f"{ckpt_path} does not match the composed model ({'; '.join(parts)}){where}")
