@@ -1,5 +1,7 @@
 """Evaluate a checkpoint with the config of the run that produced it:
 ``python eval.py ckpt_path=logs/train/runs/<run>/checkpoints/best.ckpt [split=val]``.
+
+Errors print as one line, ``error: <key>: <message>`` (``HYDRA_FULL_ERROR=1``: full traceback).
 """
 
 import os
@@ -12,13 +14,19 @@ from omegaconf import DictConfig  # noqa: E402
 
 from longseq.runner import evaluate  # noqa: E402
 from longseq.utils.config import register_resolvers  # noqa: E402
+from longseq.utils.console import full_errors, report_and_exit  # noqa: E402
 
 register_resolvers()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="eval")
 def main(cfg: DictConfig) -> None:
-    metrics = evaluate(cfg)
+    try:
+        metrics = evaluate(cfg)
+    except Exception as exc:
+        if full_errors():
+            raise
+        report_and_exit(exc)
     for name, value in sorted(metrics.items()):
         print(f"{name}: {value:.4f}")
 

@@ -2,9 +2,14 @@
 
 Composes ``conf/train.yaml``, trains, tests the best checkpoint, and returns ``optimized_metric`` so
 Hydra sweepers (``-m``, Optuna) can optimize it. All logic lives in ``longseq.runner``.
+
+Before Hydra creates a run directory, ``ckpt_path=`` is checked (exists, loads, fits the composed model), and
+a checkpoint of an earlier run (``<run>/checkpoints/*.ckpt``) resumes that run in place: same directory,
+same logs. Errors print as one line, ``error: <key>: <message>`` (``HYDRA_FULL_ERROR=1``: full traceback).
 """
 
 import os
+import sys
 from pathlib import Path
 
 os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parent))
@@ -16,24 +21,43 @@ from omegaconf import DictConfig  # noqa: E402
 
 from longseq.runner import metric_value, set_float32_precision, train  # noqa: E402
 from longseq.utils.config import extras, register_resolvers  # noqa: E402
+from longseq.utils.console import error_summary, full_errors, report_and_exit  # noqa: E402
+from longseq.utils.resume import preflight  # noqa: E402
 
 register_resolvers()
+CONFIG_DIR = Path(__file__).resolve().parent / "conf"
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
-    output_dir = Path(hydra_cfg.runtime.output_dir)
-    extras(cfg, output_dir, multirun=hydra_cfg.mode == RunMode.MULTIRUN)
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    try:
+        return run(cfg, Path(hydra_cfg.runtime.output_dir), multirun)
+    except Exception as exc:
+        if full_errors() or multirun:  # a sweeper records the failed trial from the exception
+            print(error_summary(exc), file=sys.stderr)
+            raise
+        report_and_exit(exc)
+
+
+def run(cfg: DictConfig, output_dir: Path, multirun: bool) -> float | None:
+    hydra_cfg = HydraConfig.get()
+    extras(cfg, output_dir, multirun=multirun, choices=dict(hydra_cfg.runtime.choices),
+           overrides=list(hydra_cfg.overrides.task))
     set_float32_precision()
     metrics = train(cfg)
-    summary = {k: v for k, v in metrics.items() if k.startswith(("test/", "val/"))}
-    print(f"results: {summary}")
-    if "ckpt_path" in metrics:
-        print(f"best checkpoint: {metrics['ckpt_path']}")
-    print(f"last checkpoint: {output_dir / 'checkpoints' / 'last.ckpt'}")
-    return metric_value(metrics, cfg.get("optimized_metric"))
+    summary = {k: v for k, v in sorted(metrics.items()) if k.startswith(("test/", "val/"))}
+    print("results: " + ", ".join(f"{k}={v:.4f}" for k, v in summary.items()))
+    checkpoints = output_dir / "checkpoints"
+    best = metrics.get("ckpt_path")
+    if best and Path(best).is_file():
+        print(f"tested checkpoint: {best}")
+    if (checkpoints / "last.ckpt").is_file():
+        print(f"last checkpoint: {checkpoints / 'last.ckpt'} (resume: python train.py ckpt_path=<this>)")
+    return metric_value(metrics, cfg.get("optimized_metric"), trained=bool(cfg.get("train", True)))
 
 
 if __name__ == "__main__":
+    sys.argv = preflight(sys.argv, CONFIG_DIR, "train")
     main()

@@ -14,11 +14,18 @@ from typing import Any
 import hydra
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
+from torchmetrics import Metric
 
-from longseq.utils.config import register_resolvers
+from longseq.callbacks.progress import StepProgressBar
+from longseq.report.outcome import records_run_outcome
+from longseq.utils.checkpoint import AtomicCheckpointIO, check_model_matches, read_checkpoint
+from longseq.utils.config import check_trainer_types, register_resolvers
+from longseq.utils.console import quiet_lightning
+from longseq.utils.errors import ConfigError, NonFiniteError
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +55,16 @@ def build_datamodule(cfg: DictConfig) -> L.LightningDataModule:
 
 
 def build_trainer(cfg: DictConfig, callbacks: list, loggers: list[Logger]) -> L.Trainer:
-    return hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    """The Trainer of ``cfg.trainer`` (types checked first), with atomic checkpoint writes and the step bar."""
+    check_trainer_types(cfg.trainer)
+    quiet_lightning()
+    callbacks = list(callbacks)
+    if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
+        callbacks.append(StepProgressBar())
+    extra = {}
+    if cfg.trainer.get("accelerator") != "tpu" and "plugins" not in cfg.trainer:
+        extra["plugins"] = [AtomicCheckpointIO()]
+    return hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **extra)
 
 
 def close_loggers() -> None:
@@ -61,93 +77,235 @@ def close_loggers() -> None:
         wandb.finish()
 
 
-def metric_value(metrics: dict[str, Any], name: str | None) -> float | None:
-    """The metric a sweeper optimizes; NaN-safe (an Optuna trial must not crash the sweep)."""
+def metric_value(metrics: dict[str, Any], name: str | None, trained: bool = True) -> float | None:
+    """The metric a sweeper optimizes; NaN-safe (an Optuna trial must not crash the sweep).
+
+    A run that did not train (``train=false``: evaluation only) may not have logged the validation metric;
+    it then returns None instead of failing a run that succeeded.
+    """
     if not name:
         return None
     if name not in metrics:
+        if not trained:
+            log.info(f"optimized_metric={name} was not computed (train=false); returning no value")
+            return None
         raise KeyError(f"optimized_metric={name!r} was not logged; available: {sorted(metrics)}")
     value = float(metrics[name])
     return value if math.isfinite(value) else float("inf")
 
 
+def check_ckpt_path(cfg: DictConfig, key: str = "ckpt_path") -> None:
+    """``cfg.ckpt_path`` exists, loads and fits the composed model (built on the meta device: no memory).
+
+    Raises ``ConfigError`` naming the file and, on a mismatch, the differing parameter keys and the producing
+    run's ``.hydra/overrides.yaml``. Nothing is written; ``train.py`` calls it before Hydra makes a run dir.
+    """
+    path = cfg.get(key)
+    if not path:
+        return
+    state = read_checkpoint(path, key)
+    try:
+        with torch.device("meta"):
+            module = build_module(cfg)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a module that cannot be built without data: Lightning checks later
+        log.debug(f"ckpt_path: key check skipped, the model does not build on the meta device ({exc})")
+        return
+    check_model_matches(state, module, path, key)
+
+
+def resuming_in_place(cfg: DictConfig) -> bool:
+    """True when ``cfg.ckpt_path`` lives in ``<output_dir>/checkpoints/`` (train.py points Hydra there)."""
+    ckpt = cfg.get("ckpt_path")
+    return bool(ckpt) and Path(ckpt).resolve().parent == (Path(cfg.paths.output_dir) / "checkpoints").resolve()
+
+
+def continue_loggers(cfg: DictConfig, output_dir: Path) -> None:
+    """Point the loggers of a run resumed in place at their earlier state, each by its own convention.
+
+    W&B: the same run, resumed by id (read from ``<run>/wandb/``). CSV: Lightning's CSV logger truncates an
+    existing ``metrics.csv``, so the continuation gets its own version ``csv/resume<N>/``. TensorBoard:
+    appends a new event file to the same directory (its convention; nothing to do).
+    """
+    loggers = cfg.get("logger") or {}
+    with open_dict(cfg):
+        for name, node in loggers.items():
+            target = str((node or {}).get("_target_", ""))
+            if target.endswith("WandbLogger") and not node.get("id"):
+                runs = sorted((output_dir / "wandb").glob("*run-*-*"), key=lambda p: p.stat().st_mtime)
+                if runs:
+                    node.id = runs[-1].name.rsplit("-", 1)[-1]
+                    node.resume = "allow"
+                    log.info(f"resuming W&B run {node.id}")
+            elif target.endswith("CSVLogger"):
+                version = str(node.get("version") or "")
+                log_dir = Path(node.save_dir) / str(node.name) / version
+                if (log_dir / "metrics.csv").exists():
+                    resumed = f"resume{1 + sum(1 for _ in log_dir.glob('resume*'))}"
+                    node.version = f"{version}/{resumed}" if version else resumed
+                    log.info(f"{name} logger: the continuation logs to {log_dir / resumed}")
+
+
+@records_run_outcome  # writes <run>/metrics.json (final metrics + completed/failed) for longseq.report
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit (optionally resuming ``cfg.ckpt_path``) then test the best checkpoint; returns final metrics.
 
-    Everything the run writes goes under ``cfg.paths.output_dir`` (the Hydra run directory).
+    Everything the run writes goes under ``cfg.paths.output_dir`` (the Hydra run directory). ``ckpt_path``
+    and the trainer keys are checked before anything is written.
     """
     register_resolvers()
+    check_trainer_types(cfg.trainer)
+    check_ckpt_path(cfg)
     output_dir = Path(cfg.paths.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    if resuming_in_place(cfg):
+        log.info(f"resuming in place: {output_dir} from {cfg.ckpt_path}")
+        continue_loggers(cfg, output_dir)
     # Resolved copy of the config next to the checkpoints: eval.py rebuilds the run from it.
     (output_dir / RESOLVED_CONFIG).write_text(OmegaConf.to_yaml(cfg, resolve=True))
     if cfg.get("seed") is not None:
-        L.seed_everything(cfg.seed, workers=True)
+        L.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = build_datamodule(cfg)
     module = build_module(cfg)
     callbacks = instantiate_group(cfg.get("callbacks"))
     loggers = instantiate_group(cfg.get("logger"))
     trainer = build_trainer(cfg, callbacks, loggers)
+    trained = bool(cfg.get("train", True))
     try:
         for logger in loggers:
             logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
             if isinstance(logger, WandbLogger):
                 logger.experiment.config.update({"output_dir": str(output_dir)}, allow_val_change=True)
-        if cfg.get("train", True):
+        if trained:
             trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
-            monitor = cfg.task.get("monitor")
-            if monitor and monitor not in trainer.callback_metrics and not trainer.interrupted:
-                log.warning(f"no validation ran during fit (trainer.max_steps ended it first); validating the final weights for {monitor}")
-                trainer.validate(module, datamodule=datamodule, verbose=False)
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        evaluator = evaluation_trainer(cfg, trainer, loggers)
+        if trained:
+            metrics.update(validate_final_weights(cfg, trainer, evaluator, module, datamodule))
         if cfg.get("test", True):
-            ckpt = best_checkpoint(trainer)
-            if ckpt is None:
-                log.warning("no checkpoint saved (callbacks disabled?): testing the current weights")
-            trainer.test(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=False)
-            metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
+            ckpt = test_checkpoint(cfg, trainer, trained)
+            reset_metrics(module)
+            evaluator.test(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=False, verbose=False)
+            metrics.update({k: float(v) for k, v in evaluator.callback_metrics.items()})
             if ckpt:
                 metrics["ckpt_path"] = ckpt  # type: ignore[assignment]
-        last = Path(output_dir) / "checkpoints" / "last.ckpt"
-        if last.exists():
-            log.info(f"last checkpoint: {last}")
         return metrics
+    except NonFiniteError as exc:
+        last = output_dir / "checkpoints" / "last.ckpt"
+        if last.is_file():
+            step = read_checkpoint(last).get("global_step", "?")
+            exc.kept = f"the last finite checkpoint is {last} (step {step}); resume with a lower optimizer.lr"
+        else:
+            exc.kept = "no checkpoint was written before it"
+        raise
     except SIGTERMException:
-        # Preempted: OnExceptionCheckpoint has written checkpoints/interrupted.ckpt; resume from it.
-        log.warning(f"SIGTERM received: saved {output_dir / 'checkpoints' / 'interrupted.ckpt'}; exiting with 143")
+        # Preempted: InterruptedCheckpoint has written checkpoints/interrupted.ckpt; resume from it.
+        saved = output_dir / "checkpoints" / "interrupted.ckpt"
+        log.warning(f"SIGTERM received: saved {saved}; exiting with 143" if saved.exists()
+                    else "SIGTERM received before the first step: nothing saved; exiting with 143")
         raise SystemExit(143) from None
     finally:
         close_loggers()
 
 
-def best_checkpoint(trainer: L.Trainer) -> str | None:
-    """Path of the best-validation checkpoint, falling back to the last one; None when nothing was saved."""
+def reset_metrics(module: L.LightningModule) -> None:
+    """Clear every torchmetrics state of ``module`` before an evaluation.
+
+    After a spawned fit (``ddp_cpu``) the main process's copy of the module holds the metric states that came
+    back with rank 0's weights; evaluating on top of them mixes old batches into the new number.
+    """
+    for child in module.modules():
+        if isinstance(child, Metric):
+            child.reset()
+
+
+def evaluation_trainer(cfg: DictConfig, trainer: L.Trainer, loggers: list[Logger]) -> L.Trainer:
+    """The trainer that computes the reported final metrics: ``trainer`` itself, or one device after a spawned fit.
+
+    A ``DistributedSampler`` pads an evaluation split to a multiple of the world size (repeating examples),
+    so a metric computed over 2 spawned processes can differ from ``eval.py``'s single-process number. When
+    fit ran in spawned workers (``ddp_spawn``: the main process is idle and holds rank 0's weights), the final
+    validation and test run here on one device instead, over every example exactly once. Script-launched DDP
+    (``trainer=ddp`` on GPUs, every rank runs this code) keeps its distributed evaluation.
+    """
+    launcher = getattr(trainer.strategy, "launcher", None)
+    spawned = trainer.world_size > 1 and type(launcher).__name__ == "_MultiProcessingLauncher"
+    if not spawned:
+        return trainer
+    log.info("final evaluation on one device (fit ran in spawned processes), so every example counts once")
+    single = {"devices": 1, "num_nodes": 1, "strategy": "auto"}
+    if "sync_batchnorm" in cfg.trainer:
+        single["sync_batchnorm"] = False
+    node = OmegaConf.merge(OmegaConf.to_container(cfg.trainer, resolve=True), single)
+    return build_trainer(OmegaConf.create({"trainer": node}), [], loggers)
+
+
+def validate_final_weights(cfg: DictConfig, trainer: L.Trainer, evaluator: L.Trainer, module: L.LightningModule,
+                           datamodule: L.LightningDataModule) -> dict[str, float]:
+    """Validate the final weights when ``trainer.max_steps`` ended fit before any validation; returns the metrics.
+
+    Runs from the saved ``last.ckpt`` when there is one, so the weights validated are exactly the ones on disk
+    (``eval.py ckpt_path=<run>/checkpoints/last.ckpt split=val`` reports the same number).
+    """
+    monitor = cfg.task.get("monitor")
+    if not monitor or monitor in trainer.callback_metrics or trainer.interrupted or trainer.fast_dev_run:
+        return {}
+    log.info(f"no validation ran during fit (trainer.max_steps ended it first): validating the final weights for {monitor}")
+    reset_metrics(module)
+    evaluator.validate(module, datamodule=datamodule, ckpt_path=last_checkpoint(trainer), verbose=False,
+                       weights_only=False)
+    return {k: float(v) for k, v in evaluator.callback_metrics.items()}
+
+
+def last_checkpoint(trainer: L.Trainer) -> str | None:
+    """``last.ckpt`` of this run when it exists (found on disk: after a spawned fit the main process's callback
+    does not know the path its worker wrote)."""
     cb = trainer.checkpoint_callback
-    if cb is None or getattr(trainer, "fast_dev_run", False):
+    if cb is None:
         return None
-    return cb.best_model_path or cb.last_model_path or None
+    candidates = [getattr(cb, "last_model_path", None)]
+    if getattr(cb, "dirpath", None):
+        candidates.append(str(Path(cb.dirpath) / f"{cb.CHECKPOINT_NAME_LAST}{cb.FILE_EXTENSION}"))
+    return next((p for p in candidates if p and Path(p).is_file()), None)
+
+
+def test_checkpoint(cfg: DictConfig, trainer: L.Trainer, trained: bool) -> str | None:
+    """The checkpoint to test: best validation, else last; the current weights (None) when none was written.
+
+    ``train=false`` tests ``ckpt_path`` if given, else the weights the module was built with (e.g. TRAMS
+    evaluation of ``task.module.init_from``).
+    """
+    if not trained:
+        return cfg.get("ckpt_path") or None
+    if trainer.fast_dev_run:
+        return None
+    cb = trainer.checkpoint_callback
+    if cb is None:
+        log.info("no checkpoint callback (callbacks=none): testing the current weights")
+        return None
+    best = cb.best_model_path if cb.best_model_path and Path(cb.best_model_path).is_file() else None
+    return best or last_checkpoint(trainer)
 
 
 def load_run_config(ckpt_path: str | Path, run_dir: str | Path | None = None) -> DictConfig:
     """The resolved config a checkpoint was trained with (``<run>/config_resolved.yaml``)."""
     ckpt_path = Path(ckpt_path)
-    if not ckpt_path.is_file():
-        raise FileNotFoundError(f"ckpt_path={ckpt_path} does not exist")
     run_dir = Path(run_dir) if run_dir else ckpt_path.resolve().parent.parent
     path = run_dir / RESOLVED_CONFIG
     if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} not found: pass run_dir=<the training run directory that holds {RESOLVED_CONFIG}>"
-        )
+        raise ConfigError("run_dir", f"{path} not found: {ckpt_path} is not inside a training run directory "
+                                     f"(<run>/checkpoints/); pass run_dir=<the run directory that holds {RESOLVED_CONFIG}>")
     return OmegaConf.load(path)
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     """Test ``cfg.ckpt_path`` on its own task (val or test split) with the run's saved config."""
     register_resolvers()
+    read_checkpoint(cfg.ckpt_path)  # a missing or truncated file is named before the run dir is consulted
     run_cfg = load_run_config(cfg.ckpt_path, cfg.get("run_dir"))
     if cfg.get("seed") is not None:
-        L.seed_everything(cfg.seed, workers=True)
+        L.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = hydra.utils.instantiate(run_cfg.task.data)
     module_cls = hydra.utils.get_class(run_cfg.task.module._target_)
     module = module_cls.load_from_checkpoint(cfg.ckpt_path, map_location="cpu", weights_only=False)
@@ -155,7 +313,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     trainer = build_trainer(cfg, [], loggers)
     try:
         run = trainer.validate if cfg.get("split", "test") == "val" else trainer.test
-        run(module, datamodule=datamodule)
+        run(module, datamodule=datamodule, verbose=False)
         return {k: float(v) for k, v in trainer.callback_metrics.items()}
     finally:
         close_loggers()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,31 @@ def validate(cfg: DictConfig) -> None:
         raise SystemExit("unsupported_causal: valid values are fallback, skip")
 
 
+BUSY_CORES = 0.25  # CPU used by other processes (in cores) above which timings are not trustworthy
+
+
+def other_cpu_load(seconds: float = 1.0) -> float:
+    """Cores kept busy by other processes while this one sleeps ``seconds`` (from /proc/stat; 0.0 elsewhere)."""
+    def busy_total() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields) - idle, sum(fields)
+
+    if not Path("/proc/stat").is_file():
+        return 0.0
+    busy0, total0 = busy_total()
+    time.sleep(seconds)
+    busy1, total1 = busy_total()
+    return (busy1 - busy0) / max(1, total1 - total0) * (os.cpu_count() or 1)
+
+
+def warn_if_busy(console: Console, load: float, when: str) -> None:
+    """Print a warning when other processes used the CPU: the timings of this run are then not comparable."""
+    if load > BUSY_CORES:
+        console.print(f"[bold red]warning[/bold red]: other processes kept {load:.2f} of {os.cpu_count()} cores busy "
+                      f"{when}; timings and ratios from this run are not reliable (rerun on a quiet machine)")
+
+
 def run_benchmark(cfg: DictConfig, console: Console | None = None) -> Path:
     """Run the whole sweep described by ``cfg`` (conf/bench.yaml) and return the output directory."""
     console = console or Console(highlight=False)
@@ -68,11 +95,13 @@ def run_benchmark(cfg: DictConfig, console: Console | None = None) -> Path:
     memory_method = cells.cpu_memory_method() if device == "cpu" else "cuda"
     env = report.environment(device, cfg.threads, memory_method, isolate)
     env["isolated_cells"] = isolate
+    env["other_cpu_load_before"] = round(other_cpu_load(), 2)
     report.write_json(env, out / "env.json")
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     console.rule("longseq.bench")
     for key, value in env.items():
         console.print(f"[bold]{key}[/bold]: {value}")
+    warn_if_busy(console, env["other_cpu_load_before"], "before the run")
     console.print(f"attentions ({len(names)}): {', '.join(names)}")
     console.print(f"lengths: {lengths}  modes: {modes}  B={cfg.batch} H={cfg.heads} D={cfg.head_dim} "
                   f"dtype={cfg.dtype} causal={cfg.causal} repeats={cfg.repeats} budget_s={cfg.budget_s}")
@@ -112,16 +141,20 @@ def run_benchmark(cfg: DictConfig, console: Console | None = None) -> Path:
                 console.print(f"  {name:28s} L={length:<6d} {mode:8s} {_progress_text(row)}",
                               markup=False, soft_wrap=True)
 
+    after = other_cpu_load()
+    env["other_cpu_load_after"] = round(after, 2)
+    report.write_json(env, out / "env.json")
+    warn_if_busy(console, after, "after the run")
     report.add_ratios(rows)
     report.write_csv(rows, out / "results.csv")
-    if cfg.plot:
+    if cfg.plot and rows:
         title = (f"longseq.bench on {env['gpu'] or env['cpu']} ({device}, {env['torch_threads']} threads, "
                  f"torch {env['torch']}): B={cfg.batch} H={cfg.heads} D={cfg.head_dim} {cfg.dtype}, "
                  f"causal={cfg.causal}; solid fwd, dashed fwd_bwd")
         report.plot(rows, out / "plot.png", title)
 
     markdown = []
-    for mode in modes:
+    for mode in modes if rows else []:  # lengths=[]: only the sampling / throughput measurements
         markdown.append(f"### {mode}: median ms/iter (ratio to full) / peak MB above inputs\n")
         markdown.append(report.markdown_table(rows, mode) + "\n")
     if cfg.throughput:
@@ -137,12 +170,35 @@ def run_benchmark(cfg: DictConfig, console: Console | None = None) -> Path:
         markdown.append(f"### training step: tokens/s, L={step.seq_len}, batch {step.batch}, "
                         f"{step.n_layers} layers d={step.d_model}, AdamW\n")
         markdown.append(report.throughput_table(step_rows) + "\n")
+    if cfg.get("sample"):
+        markdown += run_sampling(cfg, device, console, out)
     text = "\n".join(markdown)
     (out / "results.md").write_text(text)
     console.rule("results")
     console.out(text, highlight=False)  # raw markdown, never wrapped, so it can be pasted
     console.print(f"wrote {out}/results.csv, plot.png, env.json, results.md")
     return out
+
+
+def run_sampling(cfg: DictConfig, device: str, console: Console, out: Path) -> list[str]:
+    """``sample=true``: sampling tokens/s cached vs recompute (``sampling.csv``) and one layer's per-step time
+    against position (``decode_steps.csv``), per ``cfg.sampling``; returns the markdown sections."""
+    from longseq.bench import sampling
+
+    spec = cfg.sampling
+    names = select_attentions(OmegaConf.to_object(spec.attentions) if OmegaConf.is_config(spec.attentions)
+                              else spec.attentions)
+    console.print(f"sampling ({len(names)} attentions, L={spec.seq_len}, batch {spec.batch}) ...")
+    rows = sampling.measure_sampling(names, spec, device)
+    _write_rows(rows, sampling.SAMPLING_COLUMNS, out / "sampling.csv")
+    console.print(f"per-step time of one layer (L={list(spec.step_lengths)}) ...")
+    step_rows = sampling.measure_decode_steps(names, spec, device)
+    _write_rows(step_rows, sampling.STEP_COLUMNS, out / "decode_steps.csv")
+    console.print(f"wrote {out}/sampling.csv, decode_steps.csv")
+    return [f"### sampling: tokens/s, L={spec.seq_len}, batch {spec.batch}, {spec.n_layers} layers d={spec.d_model}\n",
+            sampling.sampling_table(rows) + "\n",
+            f"### one layer's decoding step: ms by position, batch {spec.batch}, H={spec.n_heads}\n",
+            sampling.steps_table(step_rows) + "\n"]
 
 
 def _progress_text(row: dict[str, Any]) -> str:

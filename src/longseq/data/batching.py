@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
 from torch.utils.data import DataLoader, Dataset
+
+from longseq.data.validation import MIN_EVAL_EXAMPLES, check_split_size
 
 
 def per_device_batch_size(global_batch: int, world_size: int, accumulate: int = 1, key: str = "task.data.batch_size") -> int:
@@ -37,12 +40,16 @@ def device_batches(trainer: Any, batch_size: int, eval_batch_size: int, accumula
 class SplitLoaders:
     """Train / val / test loaders for a LightningDataModule holding one map-style dataset per split.
 
-    Mix in before ``LightningDataModule``. The host sets ``datasets`` (split name -> Dataset),
-    ``device_batch``, ``device_eval_batch`` and ``num_workers``, and may override ``collate_fn``. Train
-    batches are shuffled and drop the last partial batch; eval batches keep order and every example.
+    Mix in before ``LightningDataModule``. The host sets ``datasets`` (split name -> Dataset), ``world_size``,
+    ``device_batch``, ``device_eval_batch`` and ``num_workers``, and may override ``collate_fn`` and
+    ``split_source`` (the file or folder named in data errors). Train batches are shuffled and drop the last
+    partial batch; eval batches keep order and every example. Before a loader is built its split is checked:
+    the training split must fill one batch, an evaluation split must hold an example (and warns below
+    ``MIN_EVAL_EXAMPLES``).
     """
 
     datasets: dict[str, Dataset]
+    world_size: int
     device_batch: int
     device_eval_batch: int
     num_workers: int
@@ -51,7 +58,26 @@ class SplitLoaders:
         """Collate function of every loader; None: the DataLoader default."""
         return None
 
+    def split_source(self, split: str) -> str | Path:
+        """The file or folder ``split`` is read from (named in data errors)."""
+        return getattr(self, "root", getattr(self, "data_dir", "<dataset>"))
+
+    def check_split(self, split: str) -> None:
+        """Training: one batch on every device (a last partial batch is dropped); evaluation: one example."""
+        size = len(self.datasets[split])
+        if split == "train":
+            world = getattr(self, "world_size", 1)
+            need = world * self.device_batch
+            check_split_size(self.split_source(split), split, size, minimum=need, unit="examples",
+                             needs=f"one training batch of {need} examples (task.batch_size over {world} device(s) "
+                                   "and trainer.accumulate_grad_batches)",
+                             hint="use a smaller task.batch_size or more data (task.data.limit?)")
+        else:
+            check_split_size(self.split_source(split), split, size, minimum=1, unit="examples", needs="one example",
+                             warn_below=MIN_EVAL_EXAMPLES)
+
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
+        self.check_split(split)
         return DataLoader(
             self.datasets[split],
             batch_size=self.device_batch if split == "train" else self.device_eval_batch,

@@ -36,9 +36,12 @@ from longseq.data.text import (
     EvalShardSampler,
     load_hf_split,
     load_sentencepiece,
+    load_token_cache,
     stream_dtype,
     train_sentencepiece,
 )
+from longseq.data.validation import MIN_EVAL_EXAMPLES, check_split_size
+from longseq.utils.errors import ConfigError, DataError
 
 MASK_PIECE = "<mask>"
 MASK_ID = 4           # the first control symbol after pad/unk/bos/eos
@@ -52,7 +55,7 @@ def pack_segments(docs: Iterable[list[int]], seq_len: int, max_segments: int = 2
     next example, so an example holds at most ``max_segments`` segments (whole documents or chunks).
     """
     if seq_len < 3:
-        raise ValueError(f"task.seq_len={seq_len} is too short for <s> x </s>")
+        raise ConfigError("task.seq_len", f"{seq_len} is too short for <s> x </s> (at least 3)")
     example, segments = [BOS_ID], 0
 
     def padded() -> np.ndarray:
@@ -196,7 +199,7 @@ class C4MLMDataModule(L.LightningDataModule):
             train_sentencepiece(lines, self.spm_path, self.vocab_size, control_symbols=(MASK_PIECE,))
         sp = load_sentencepiece(self.spm_path)
         if sp.piece_to_id(MASK_PIECE) != MASK_ID:
-            raise ValueError(f"{self.spm_path} maps {MASK_PIECE} to {sp.piece_to_id(MASK_PIECE)}, expected {MASK_ID}")
+            raise DataError(self.spm_path, f"maps {MASK_PIECE} to {sp.piece_to_id(MASK_PIECE)}, expected {MASK_ID}")
         for split, skip, take in (("val", 0, self.val_docs), ("test", self.val_docs, self.test_docs)):
             path = self.eval_cache(split)
             if path.is_file():
@@ -204,9 +207,9 @@ class C4MLMDataModule(L.LightningDataModule):
             docs = load_hf_split(**self.source, split="val", streaming=True)
             texts = (doc["text"] for doc in itertools.islice(docs, skip, skip + take))
             examples = list(pack_segments(map(sp.encode, texts), self.seq_len))
-            if not examples:
-                raise ValueError(f"C4 validation documents [{skip}, {skip + take}) gave no {split} examples "
-                                 f"(task.data.{split}_docs={take})")
+            check_split_size(self.source["saved_dir"], split, len(examples), minimum=1, unit="examples",
+                             needs=f"one packed example (C4 validation documents [{skip}, {skip + take}))",
+                             hint=f"raise task.data.{split}_docs")
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp.npy")
             np.save(tmp, np.stack(examples).astype(stream_dtype(self.vocab_size)))
@@ -219,9 +222,13 @@ class C4MLMDataModule(L.LightningDataModule):
         self.prepare_data()
         self.pieces = load_sentencepiece(self.spm_path).get_piece_size()
         if self.pieces > self.vocab_size:
-            raise ValueError(f"{self.spm_path} has {self.pieces} pieces > task.vocab_size={self.vocab_size}")
+            raise DataError(self.spm_path, f"has {self.pieces} pieces > task.vocab_size={self.vocab_size}")
         for split in ("val", "test"):
-            self.examples.setdefault(split, np.load(self.eval_cache(split), mmap_mode="r"))
+            if split in self.examples:
+                continue
+            self.examples[split] = load_token_cache(self.eval_cache(split))
+            check_split_size(self.eval_cache(split), split, len(self.examples[split]), minimum=1, unit="examples",
+                             needs="one packed example", warn_below=MIN_EVAL_EXAMPLES)
 
     def train_dataloader(self) -> DataLoader:
         stream = MaskedDocumentStream(self.source, self.spm_path, self.seq_len, self.pieces, self.mask_prob,

@@ -11,6 +11,7 @@ training images (the tail of ``data_batch_5``), test = ``test_batch`` (10,000).
 
 from __future__ import annotations
 
+import pickle
 import socket
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from torchvision.datasets import CIFAR10
 from torchvision.datasets.utils import check_integrity
 
 from longseq.data.images import ImageDensityDataModule
+from longseq.data.validation import check_file_not_empty
+from longseq.utils.errors import ConfigError, DataError
 
 CIFAR10_ARCHIVE_URL = CIFAR10.url
 DOWNLOAD_TIMEOUT_S = 10.0
@@ -102,16 +105,28 @@ class Cifar10DataModule(ImageDensityDataModule):
             self.root.mkdir(parents=True, exist_ok=True)
             self._reader(str(self.root), train=True, download=True)
         except Exception as err:  # URLError, timeout, md5 mismatch after download: "place it by hand"
+            # from None: the message carries the cause; a second traceback would add nothing.
             raise FileNotFoundError(
                 self._missing_message(f"and could not be downloaded ({type(err).__name__}: {err})")
-            ) from err
+            ) from None
         finally:
             socket.setdefaulttimeout(previous_timeout)
+
+    def split_source(self, split: str) -> Path:
+        return self.root / CIFAR10.base_folder
 
     def _read(self, train: bool) -> np.ndarray:
         """(N, 32, 32, 3) uint8 HWC images of the training batches or the test batch."""
         self.prepare_data()
-        return self._reader(str(self.root), train=train, download=False).data
+        reader = self._reader
+        for name, _ in reader.train_list if train else reader.test_list:
+            check_file_not_empty(self.split_source("train") / name, "CIFAR-10 batch")
+        try:
+            return reader(str(self.root), train=train, download=False).data
+        except (EOFError, pickle.UnpicklingError, KeyError, ValueError) as err:  # a damaged pickle batch
+            raise DataError(self.split_source("train"), f"the CIFAR-10 batches cannot be read ({type(err).__name__}: "
+                                                        f"{err}); task.data.verify_checksums=true finds the damaged "
+                                                        "file by its md5") from None
 
     def load_split(self, split: str) -> np.ndarray:
         if split == "test":
@@ -121,8 +136,8 @@ class Cifar10DataModule(ImageDensityDataModule):
                 self._train_images = self._read(train=True)
             n_train = len(self._train_images) - self.val_size
             if n_train < 1 or self.val_size < 1:
-                raise ValueError(
-                    f"task.data.val_size={self.val_size} must be in [1, {len(self._train_images) - 1}] "
+                raise ConfigError(
+                    "task.data.val_size", f"{self.val_size} must be in [1, {len(self._train_images) - 1}] "
                     f"(CIFAR-10 has {len(self._train_images)} training images)"
                 )
             images = self._train_images[:n_train] if split == "train" else self._train_images[n_train:]

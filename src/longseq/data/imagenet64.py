@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,8 @@ import torch
 from torch.utils.data import Dataset
 
 from longseq.data.images import ImageDensityDataModule
+from longseq.data.validation import check_file_not_empty
+from longseq.utils.errors import ConfigError, DataError
 
 RELEASE_PAGE = "https://image-net.org/download-images.php (Downsampled ImageNet, 64x64; login required)"
 SIDE = 64
@@ -43,17 +46,22 @@ def find_release_file(folder: Path, stem: str) -> Path | None:
 
 def read_release_rows(path: Path) -> np.ndarray:
     """(N, 12288) uint8 planar rows from one release file, npz or pickle (detected by content)."""
+    check_file_not_empty(path, "ImageNet 64x64 release file")
     with open(path, "rb") as f:
         is_zip = f.read(2) == b"PK"
-    if is_zip:
-        with np.load(path) as archive:
-            rows = archive["data"]
-    else:
-        with open(path, "rb") as f:
-            rows = pickle.load(f, encoding="latin1")["data"]  # trusted local release file
+    try:
+        if is_zip:
+            with np.load(path) as archive:
+                rows = archive["data"]
+        else:
+            with open(path, "rb") as f:
+                rows = pickle.load(f, encoding="latin1")["data"]  # trusted local release file
+    except (EOFError, OSError, ValueError, KeyError, TypeError, pickle.UnpicklingError, zipfile.BadZipFile) as err:
+        raise DataError(path, f"cannot be read as an ImageNet 64x64 batch with a 'data' array ({type(err).__name__}: "
+                              f"{err}): replace it with the release file") from None
     rows = np.asarray(rows)
     if rows.ndim != 2 or rows.shape[1] != 3 * SIDE * SIDE:
-        raise ValueError(f"{path}: expected 'data' of shape (N, {3 * SIDE * SIDE}), got {rows.shape}")
+        raise DataError(path, f"expected 'data' of shape (N, {3 * SIDE * SIDE}), got {rows.shape}")
     return rows.astype(np.uint8, copy=False)
 
 
@@ -174,8 +182,8 @@ class ImageNet64DataModule(ImageDensityDataModule):
                 rows = read_release_rows(path)  # one batch (~1.5 GB) in memory at a time
                 if i == len(train_paths) - 1:
                     if not 1 <= self.val_size < len(rows):
-                        raise ValueError(
-                            f"task.data.val_size={self.val_size} must be in [1, {len(rows) - 1}]: the "
+                        raise ConfigError(
+                            "task.data.val_size", f"{self.val_size} must be in [1, {len(rows) - 1}]: the "
                             f"validation images are the tail of {path.name} ({len(rows)} images)"
                         )
                     write("train", rows[: len(rows) - self.val_size])

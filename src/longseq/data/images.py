@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from longseq.data.batching import SplitLoaders, device_batches
+from longseq.utils.errors import DataError
 
 
 def images_to_tokens(images: np.ndarray) -> torch.Tensor:
@@ -75,17 +76,15 @@ class ImageDensityDataModule(SplitLoaders, L.LightningDataModule):
         """Download (rank 0 only) when the dataset supports it; default: nothing to do."""
 
     def setup(self, stage: str | None = None) -> None:
-        _, _, self.device_batch, self.device_eval_batch = device_batches(
+        self.world_size, _, self.device_batch, self.device_eval_batch = device_batches(
             self.trainer, self.batch_size, self.eval_batch_size, self.accumulate_grad_batches
         )
         for split in self.splits:
             if split not in self.datasets:
                 images = self.load_split(split)
                 if images.shape[1:] != tuple(self.image_shape):
-                    raise ValueError(
-                        f"{type(self).__name__}: split '{split}' has images of shape {images.shape[1:]}, "
-                        f"expected {tuple(self.image_shape)}"
-                    )
+                    raise DataError(self.split_source(split), f"the {split} split has images of shape "
+                                                              f"{images.shape[1:]}, expected {tuple(self.image_shape)}")
                 self.datasets[split] = TensorDataset(images_to_tokens(images))
 
 
@@ -97,6 +96,9 @@ class DigitsDataModule(ImageDensityDataModule):
 
     image_shape = (8, 8, 1)
     num_levels = 17
+
+    def split_source(self, split: str) -> str:
+        return "sklearn.datasets.load_digits"
 
     def load_split(self, split: str) -> np.ndarray:
         from sklearn.datasets import load_digits

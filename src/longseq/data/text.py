@@ -32,6 +32,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from longseq.data.batching import device_batches
+from longseq.data.validation import MIN_EVAL_TOKENS, check_file_not_empty, check_split_size
+from longseq.utils.errors import DataError
 
 SPLITS = ("train", "val", "test")
 HF_SPLIT_NAMES = {"train": "train", "val": "validation", "test": "test"}
@@ -40,15 +42,29 @@ DOWNLOAD_TIMEOUT_S = 10.0
 HF_HUB_HOST = "huggingface.co"
 
 
-def split_bounds(n_tokens: int, eval_fraction: float = 0.05) -> dict[str, tuple[int, int]]:
+def split_bounds(n_tokens: int, eval_fraction: float = 0.05, source: str | Path = "<token stream>"
+                 ) -> dict[str, tuple[int, int]]:
     """``[start, stop)`` of train / val / test in a stream of ``n_tokens``: the last ``2 x eval_fraction`` is
-    held out, val first then test (enwik8's 90M / 5M / 5M for 100M bytes, proportional for any other size)."""
+    held out, val first then test (enwik8's 90M / 5M / 5M for 100M bytes, proportional for any other size).
+    A stream too short for three parts of at least 2 tokens is a ``DataError`` naming ``source``."""
     n_eval = int(round(n_tokens * eval_fraction))
     n_train = n_tokens - 2 * n_eval
     if n_eval < 2 or n_train < 2:
-        raise ValueError(f"a stream of {n_tokens} tokens is too short for a {1 - 2 * eval_fraction:.0%}/"
-                         f"{eval_fraction:.0%}/{eval_fraction:.0%} split (each part needs at least 2 tokens)")
+        raise DataError(source, f"{n_tokens:,} tokens are too few for a {1 - 2 * eval_fraction:.0%}/"
+                                f"{eval_fraction:.0%}/{eval_fraction:.0%} train/val/test split (each part needs at "
+                                "least 2 tokens)")
     return {"train": (0, n_train), "val": (n_train, n_train + n_eval), "test": (n_train + n_eval, n_tokens)}
+
+
+def load_token_cache(path: Path) -> np.ndarray:
+    """Memory-map a ``.npy`` token cache the project wrote; a damaged one is a ``DataError`` saying to delete it
+    (the next run rebuilds it from the source dataset)."""
+    check_file_not_empty(path, "token cache")
+    try:
+        return np.load(path, mmap_mode="r")
+    except (ValueError, EOFError, OSError) as err:
+        raise DataError(path, f"is not a readable .npy token cache ({type(err).__name__}: {err}): delete it and run "
+                              "again to rebuild it") from None
 
 
 def stream_dtype(vocab_size: int) -> np.dtype:
@@ -61,9 +77,7 @@ class TrainWindows(Dataset):
 
     def __init__(self, stream: np.ndarray, seq_len: int) -> None:
         self.stream, self.seq_len = stream, seq_len
-        self.n_windows = (len(stream) - 1) // seq_len
-        if self.n_windows < 1:
-            raise ValueError(f"the training split has {len(stream)} tokens, fewer than task.seq_len + 1 = {seq_len + 1}")
+        self.n_windows = max(0, (len(stream) - 1) // seq_len)
 
     def __len__(self) -> int:
         return self.n_windows
@@ -78,14 +92,12 @@ class EvalWindows(Dataset):
     """Scores every target ``stream[1:]`` exactly once: window ``i`` predicts ``stream[i*L + 1 : i*L + L + 1]``.
 
     The final window is right-padded (inputs with ``pad_id``, targets with ``IGNORE_INDEX``).
-    ``n_scored == len(stream) - 1``.
+    ``n_scored == len(stream) - 1`` (the datamodule checks the split has at least 2 tokens).
     """
 
     def __init__(self, stream: np.ndarray, seq_len: int, pad_id: int = 0) -> None:
-        if len(stream) < 2:
-            raise ValueError(f"an evaluation split needs at least 2 tokens, got {len(stream)}")
         self.stream, self.seq_len, self.pad_id = stream, seq_len, pad_id
-        self.n_scored = len(stream) - 1
+        self.n_scored = max(0, len(stream) - 1)
         self.n_windows = math.ceil(self.n_scored / seq_len)
 
     def __len__(self) -> int:
@@ -154,6 +166,10 @@ class TokenStreamDataModule(L.LightningDataModule):
     def load_split(self, split: str) -> np.ndarray:
         raise NotImplementedError
 
+    def split_source(self, split: str) -> Path:
+        """The file (or folder) ``split`` is read from, named in data errors."""
+        return self.root
+
     def setup(self, stage: str | None = None) -> None:
         self.world_size, self.rank, self.device_batch, self.device_eval_batch = device_batches(
             self.trainer, self.batch_size, self.eval_batch_size, self.accumulate_grad_batches
@@ -162,20 +178,38 @@ class TokenStreamDataModule(L.LightningDataModule):
             if split not in self.streams:
                 stream = self.load_split(split)
                 if len(stream) and int(stream.max()) >= self.vocab_size:
-                    raise ValueError(f"{type(self).__name__}: split '{split}' has token id {int(stream.max())} >= "
-                                     f"task.vocab_size={self.vocab_size}")
+                    raise DataError(self.split_source(split), f"the {split} split has token id {int(stream.max())} "
+                                    f">= task.vocab_size={self.vocab_size}")
                 self.streams[split] = stream
+
+    def check_train_split(self) -> None:
+        """The training split must fill one batch of windows on every device (a last partial batch is dropped)."""
+        windows = self.world_size * self.device_batch
+        need = windows * self.seq_len + 1
+        check_split_size(
+            self.split_source("train"), "train", len(self.streams["train"]), minimum=need,
+            needs=f"one training batch: {windows} window(s) of task.seq_len={self.seq_len} + 1 = {need:,} tokens "
+                  f"(task.batch_size over {self.world_size} device(s) and trainer.accumulate_grad_batches)",
+            hint="use a longer corpus, a smaller task.seq_len or a smaller task.batch_size")
+
+    def check_eval_split(self, split: str) -> None:
+        """An evaluation split needs one scored token; under one window or ``MIN_EVAL_TOKENS`` it is suspicious."""
+        check_split_size(self.split_source(split), split, len(self.streams[split]), minimum=2,
+                         needs="2 tokens (one scored target after the first token)",
+                         warn_below=max(self.seq_len + 1, MIN_EVAL_TOKENS))
 
     def scored_tokens(self, split: str) -> int:
         """Number of targets an evaluation pass over ``split`` scores (``len(split) - 1``)."""
         return EvalWindows(self.streams[split], self.seq_len).n_scored
 
     def train_dataloader(self) -> DataLoader:
+        self.check_train_split()
         return DataLoader(TrainWindows(self.streams["train"], self.seq_len), batch_size=self.device_batch,
                           shuffle=True, drop_last=True, num_workers=self.num_workers,
                           persistent_workers=self.num_workers > 0)
 
     def eval_dataloader(self, split: str) -> DataLoader:
+        self.check_eval_split(split)
         windows = EvalWindows(self.streams[split], self.seq_len)
         sampler = EvalShardSampler(windows, self.world_size, self.rank) if self.world_size > 1 else None
         return DataLoader(windows, batch_size=self.device_eval_batch, sampler=sampler, shuffle=False,
@@ -229,6 +263,15 @@ class ByteCorpusDataModule(TokenStreamDataModule):
         super().__init__(*args, **kwargs)
         self.path = Path(path).expanduser() if path else None
         self.download, self.verify_size, self.drop_newlines = download, verify_size, drop_newlines
+        self.check_local_file()  # at construction: a bad task.data.path fails before any run set-up
+
+    def check_local_file(self) -> None:
+        """``task.data.path``, when set, must name an existing, non-empty file."""
+        if self.path is None:
+            return
+        if not self.path.is_file():
+            raise FileNotFoundError(f"task.data.path={self.path} does not exist")
+        check_file_not_empty(self.path, "corpus file (task.data.path)")
 
     @property
     def raw_file(self) -> Path:
@@ -238,6 +281,9 @@ class ByteCorpusDataModule(TokenStreamDataModule):
     def archive(self) -> Path:
         return self.root / f"{self.member}.zip"
 
+    def split_source(self, split: str) -> Path:
+        return self.raw_file
+
     def missing_message(self, reason: str) -> str:
         return (f"{self.member} not found: {reason}. Download {self.url} and place it at {self.archive} (or its "
                 f"extracted file at {self.root / self.member}), set task.data.data_dir to a folder holding "
@@ -246,8 +292,7 @@ class ByteCorpusDataModule(TokenStreamDataModule):
     def prepare_data(self) -> None:
         """Make sure the raw byte file exists: extract the zip, downloading it first when allowed."""
         if self.path is not None:
-            if not self.path.is_file():
-                raise FileNotFoundError(f"task.data.path={self.path} does not exist")
+            self.check_local_file()
             return
         if self.raw_file.is_file():
             return
@@ -259,11 +304,17 @@ class ByteCorpusDataModule(TokenStreamDataModule):
             try:
                 download(self.url, self.archive)
             except Exception as err:  # URLError, timeout, HTTP error: tell the user what to place where
-                raise FileNotFoundError(self.missing_message(f"the download failed ({type(err).__name__}: {err})")) from err
-        with zipfile.ZipFile(self.archive) as archive:
-            if self.member not in archive.namelist():
-                raise FileNotFoundError(self.missing_message(f"{self.archive} has no member '{self.member}'"))
-            archive.extract(self.member, self.root)
+                # from None: the message carries the cause; a second traceback would add nothing.
+                raise FileNotFoundError(self.missing_message(f"the download failed ({type(err).__name__}: {err})")) from None
+        check_file_not_empty(self.archive, "zip archive")
+        try:
+            with zipfile.ZipFile(self.archive) as archive:
+                if self.member not in archive.namelist():
+                    raise FileNotFoundError(self.missing_message(f"{self.archive} has no member '{self.member}'"))
+                archive.extract(self.member, self.root)
+        except zipfile.BadZipFile as err:
+            raise DataError(self.archive, f"is not a readable zip archive ({err}): delete it to download it again, "
+                                          f"or place the extracted file at {self.root / self.member}") from None
 
     def encode(self, raw: np.ndarray) -> np.ndarray:
         """Bytes -> token ids (identity for byte-level corpora)."""
@@ -271,11 +322,11 @@ class ByteCorpusDataModule(TokenStreamDataModule):
 
     def load_split(self, split: str) -> np.ndarray:
         self.prepare_data()
-        raw = np.memmap(self.raw_file, dtype=np.uint8, mode="r")
+        raw = np.memmap(check_file_not_empty(self.raw_file, "corpus file"), dtype=np.uint8, mode="r")
         if self.path is None and self.verify_size and len(raw) != self.expected_bytes:
-            raise ValueError(f"{self.raw_file} has {len(raw)} bytes, the standard {self.member} has "
-                             f"{self.expected_bytes} (task.data.verify_size=false accepts it)")
-        start, stop = split_bounds(len(raw))[split]
+            raise DataError(self.raw_file, f"has {len(raw)} bytes, the standard {self.member} has "
+                                           f"{self.expected_bytes} (task.data.verify_size=false accepts it)")
+        start, stop = split_bounds(len(raw), source=self.raw_file)[split]
         part = raw[start:stop]
         if self.drop_newlines:
             part = part[part != ord("\n")]
@@ -306,8 +357,8 @@ class Text8DataModule(ByteCorpusDataModule):
         ids = table[np.asarray(raw)]
         if (ids == 255).any():
             bad = sorted(set(np.asarray(raw)[ids == 255][:1000].tolist()))
-            raise ValueError(f"task=text8 takes only lower-case a-z and space; {self.raw_file} has byte values "
-                             f"{bad[:10]}: use task=enwik8 for arbitrary bytes")
+            raise DataError(self.raw_file, f"task=text8 takes only lower-case a-z and space; the file has byte "
+                                           f"values {bad[:10]}: use task=enwik8 for arbitrary bytes")
         return ids
 
 
@@ -351,8 +402,9 @@ def load_hf_split(saved_dir: Path, hub_name: str, hub_config: str, split: str, c
         return datasets.load_dataset(hub_name, hub_config, split=hf_split, streaming=streaming,
                                      cache_dir=str(cache_dir))
     except Exception as err:
+        # from None: the message carries the cause; datasets' own traceback would bury the instructions.
         raise FileNotFoundError(f"{hub_name} ({hub_config}) could not be loaded ({type(err).__name__}: {err}); "
-                                f"no saved copy at {saved_dir}. {how}") from err
+                                f"no saved copy at {saved_dir}. {how}") from None
 
 
 # ----------------------------------------------------------------------------------------------------

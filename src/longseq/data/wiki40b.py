@@ -23,6 +23,7 @@ from longseq.data.text import (
     TokenStreamDataModule,
     load_hf_split,
     load_sentencepiece,
+    load_token_cache,
     stream_dtype,
     train_sentencepiece,
 )
@@ -99,6 +100,9 @@ class Wiki40bDataModule(TokenStreamDataModule):
             np.save(tmp, stream)
             tmp.rename(self.cache / f"{split}.npy")  # a complete file or none
 
+    def split_source(self, split: str) -> Path:
+        return self.cache / f"{split}.npy"
+
     def load_split(self, split: str) -> np.ndarray:
         self.prepare_data()
-        return np.load(self.cache / f"{split}.npy", mmap_mode="r")
+        return load_token_cache(self.split_source(split))

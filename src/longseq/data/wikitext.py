@@ -16,7 +16,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from longseq.data.text import SPLITS, TokenStreamDataModule, load_hf_split, stream_dtype
+from longseq.data.text import SPLITS, TokenStreamDataModule, load_hf_split, load_token_cache, stream_dtype
+from longseq.utils.errors import ConfigError
 
 EOS, UNK = "<eos>", "<unk>"
 
@@ -75,8 +76,8 @@ class WikiText103DataModule(TokenStreamDataModule):
         train = load("train")
         vocab = build_vocab(text_batches(train))
         if len(vocab) > self.vocab_size:
-            raise ValueError(f"the training split has {len(vocab)} word types (with <eos>, <unk>) but "
-                             f"task.vocab_size={self.vocab_size}: set task.vocab_size={len(vocab)}")
+            raise ConfigError("task.vocab_size", f"the training split has {len(vocab)} word types (with <eos>, "
+                              f"<unk>) but task.vocab_size={self.vocab_size}: set task.vocab_size={len(vocab)}")
         ids = {w: i for i, w in enumerate(vocab)}
         self.cache.mkdir(parents=True, exist_ok=True)
         dtype = stream_dtype(len(vocab))
@@ -91,6 +92,9 @@ class WikiText103DataModule(TokenStreamDataModule):
     def vocabulary(self) -> list[str]:
         return (self.cache / "vocab.txt").read_text(encoding="utf-8").splitlines()
 
+    def split_source(self, split: str) -> Path:
+        return self.cache / f"{split}.npy"
+
     def load_split(self, split: str) -> np.ndarray:
         self.prepare_data()
-        return np.load(self.cache / f"{split}.npy", mmap_mode="r")
+        return load_token_cache(self.split_source(split))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
+import math
 from typing import Any
 
 import hydra
@@ -11,8 +13,81 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from longseq.models.transformer import Transformer
+from longseq.utils.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+# Arguments of the callables behind optimizer._target_ / scheduler._target_ that the task passes itself.
+OPTIMIZER_SUPPLIED = ("params",)
+SCHEDULER_SUPPLIED = ("optimizer", "total_steps")
+
+
+def _number(key: str, value: Any, low: float, low_inclusive: bool, high: float = math.inf,
+            high_inclusive: bool = False) -> float:
+    """``value`` as a float when it is a finite real number in the given range, else a ``ConfigError`` for ``key``."""
+    ok_type = isinstance(value, (int, float)) and not isinstance(value, bool)
+    in_range = ok_type and math.isfinite(value) and (value >= low if low_inclusive else value > low) and (
+        value <= high if high_inclusive else value < high)
+    if not in_range:
+        lo, hi = ("[" if low_inclusive else "(") + f"{low:g}", f"{high:g}" + ("]" if high_inclusive else ")")
+        raise ConfigError(key, f"must be a finite number in {lo}, {hi}, got {value!r}")
+    return float(value)
+
+
+def _check_arguments(group: str, spec: dict, supplied: tuple[str, ...]) -> None:
+    """``<group>._target_`` imports, and every other key of ``spec`` is one of its arguments."""
+    target = spec.get("_target_")
+    try:
+        fn = hydra.utils.get_object(str(target))
+    except Exception as err:
+        raise ConfigError(f"{group}._target_", f"cannot import {target!r} ({type(err).__name__})") from None
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: nothing more to check
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    valid = [name for name in parameters if name not in supplied]
+    for key in spec:
+        if not key.startswith("_") and key not in valid:
+            raise ConfigError(f"{group}.{key}", f"is not an argument of {target}; valid: {valid}")
+
+
+def check_optimization(optimizer: dict | None, scheduler: dict | None, required: bool = True) -> None:
+    """Reject optimizer / scheduler settings that cannot train, naming the key, at module construction
+    (torch would raise later, without the key, after the run has started): the targets must import and take
+    the given keys; ``optimizer.lr`` must be finite and > 0, ``weight_decay``, ``eps``, ``momentum`` finite and
+    >= 0 (``eps`` > 0), ``betas`` two numbers in [0, 1); ``scheduler.warmup_steps`` an integer >= 0,
+    ``scheduler.min_lr_ratio`` in [0, 1]. An empty optimizer passes when not ``required`` (a module built only
+    for evaluation or sampling)."""
+    optimizer, scheduler = to_dict(optimizer) or {}, to_dict(scheduler) or {}
+    if not optimizer and not required:
+        return
+    if not optimizer:
+        raise ConfigError("optimizer", "is empty; choose one of conf/optimizer (optimizer=adamw)")
+    _check_arguments("optimizer", optimizer, OPTIMIZER_SUPPLIED)
+    if "lr" in optimizer:
+        _number("optimizer.lr", optimizer["lr"], 0, False)
+    for key in ("weight_decay", "momentum"):
+        if key in optimizer:
+            _number(f"optimizer.{key}", optimizer[key], 0, True)
+    if "eps" in optimizer:
+        _number("optimizer.eps", optimizer["eps"], 0, False)
+    if "betas" in optimizer:
+        betas = optimizer["betas"]
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+            raise ConfigError("optimizer.betas", f"must be two numbers [beta1, beta2] in [0, 1), got {betas!r}")
+        for i, beta in enumerate(betas):
+            _number(f"optimizer.betas[{i}]", beta, 0, True, 1, False)
+    if not scheduler:
+        return
+    _check_arguments("scheduler", scheduler, SCHEDULER_SUPPLIED)
+    if "warmup_steps" in scheduler:
+        steps = scheduler["warmup_steps"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ConfigError("scheduler.warmup_steps", f"must be an integer >= 0, got {steps!r}")
+    if "min_lr_ratio" in scheduler:
+        _number("scheduler.min_lr_ratio", scheduler["min_lr_ratio"], 0, True, 1, True)
 
 
 def to_dict(node: Any) -> Any:
@@ -43,6 +118,7 @@ class SequenceTask(L.LightningModule):
                 f"attention.causal={attention.get('causal')}; set attention.causal={str(self.requires_causal).lower()} "
                 "or pick an attention that supports it"
             )
+        check_optimization(optimizer, scheduler, required=False)
         model = {k: v for k, v in model.items() if k != "_target_"}
         self.net = Transformer(vocab_size=vocab_size, seq_len=seq_len, attention=attention,
                                image_shape=image_shape, out_dim=out_dim, **model)
@@ -56,6 +132,7 @@ class SequenceTask(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         """AdamW-style optimizer with weight decay on matrices only, plus a per-step schedule."""
+        check_optimization(self.hparams.optimizer, self.hparams.scheduler)  # XLLanguageModel reuses this method
         decay, no_decay = [], []
         for name, p in self.trainer.model.named_parameters():  # the wrapped model under FSDP
             if not p.requires_grad:

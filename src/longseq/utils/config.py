@@ -1,16 +1,19 @@
-"""Config conveniences run before a job: warnings, tag enforcement, rich config tree, resolvers."""
+"""Config conveniences run before a job: warnings, tag enforcement, config tree (short on the console, full in
+the run dir), resolvers, and the type check of the ``trainer.*`` keys."""
 
 from __future__ import annotations
 
 import logging
 import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import rich.syntax
 import rich.tree
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from rich.console import Console
+
+from longseq.utils.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +26,8 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("eval", eval)  # arithmetic in YAML, e.g. ${eval:'${a} // 2'}
 
 
-def print_config_tree(cfg: DictConfig, save_to: Path | None = None, order: Sequence[str] = PRINT_ORDER) -> None:
+def print_config_tree(cfg: DictConfig, save_to: Path | None = None, order: Sequence[str] = PRINT_ORDER,
+                      show: bool = True) -> None:
     """Print the resolved config as a rich tree (groups in ``order`` first) and optionally save it."""
     tree = rich.tree.Tree("CONFIG", style="dim", guide_style="dim")
     fields = [f for f in order if f in cfg] + [f for f in cfg if f not in order]
@@ -32,20 +36,92 @@ def print_config_tree(cfg: DictConfig, save_to: Path | None = None, order: Seque
         node = cfg[field]
         text = OmegaConf.to_yaml(node, resolve=True) if isinstance(node, DictConfig) else str(node)
         branch.add(rich.syntax.Syntax(text, "yaml"))
-    Console().print(tree)
+    if show:
+        Console().print(tree)
     if save_to is not None:
         with open(save_to, "w") as f:
             Console(file=f, width=120).print(tree)
 
 
-def extras(cfg: DictConfig, output_dir: Path | None = None, multirun: bool = False) -> None:
-    """Apply ``cfg.extras``: ignore warnings, enforce tags in multiruns, print and save the config tree."""
+def config_summary(choices: dict[str, Any], overrides: Sequence[str], saved: Path | None = None) -> str:
+    """One or two lines for the console: the chosen config groups and the command-line overrides."""
+    groups = " ".join(f"{k}={v}" for k, v in choices.items()
+                      if v is not None and not k.startswith("hydra") and k not in ("paths", "extras", "local"))
+    lines = [f"config: {groups}"]
+    if overrides:
+        lines.append(f"overrides: {' '.join(overrides)}")
+    if saved is not None:
+        lines[-1] += f"  (full tree: {saved})"
+    return "\n".join(lines)
+
+
+def extras(cfg: DictConfig, output_dir: Path | None = None, multirun: bool = False,
+           choices: dict[str, Any] | None = None, overrides: Sequence[str] = ()) -> None:
+    """Apply ``cfg.extras``: ignore warnings, enforce tags in multiruns, save the config tree and print it.
+
+    ``extras.print_config``: ``short`` (default) prints the group choices and overrides in two lines, ``full``
+    (or true) the whole rich tree, false nothing; the full tree is saved to ``<run>/config_tree.log`` always.
+    """
     opts = cfg.get("extras") or {}
     if opts.get("ignore_warnings"):
         warnings.filterwarnings("ignore")
     if opts.get("enforce_tags") and multirun and not cfg.get("tags"):
-        raise ValueError("tags=[...] must be set for a multirun (or extras.enforce_tags=false)")
+        raise ConfigError("tags", "must be set for a multirun (tags=[...]), or set extras.enforce_tags=false")
     if output_dir is not None and cfg.get("tags") is not None:
         (output_dir / "tags.log").write_text("\n".join(map(str, cfg.tags)) + "\n")
-    if opts.get("print_config"):
-        print_config_tree(cfg, save_to=output_dir / "config_tree.log" if output_dir else None)
+    mode = opts.get("print_config", "short")
+    mode = "full" if mode is True else "off" if mode in (False, None) else str(mode)
+    if mode not in ("short", "full", "off"):
+        raise ConfigError("extras.print_config", f"{mode!r} is not valid; choose short, full or false")
+    saved = output_dir / "config_tree.log" if output_dir else None
+    print_config_tree(cfg, save_to=saved, show=mode == "full")
+    if mode == "short":
+        print(config_summary(choices or {}, overrides, saved))
+
+
+# trainer.<key> -> (accepted Python types, description for the message). Hydra passes the strings users typed
+# straight to Lightning, whose errors (a TypeError about '<') do not name the key.
+INT, NUM, BOOL = (int,), (int, float), (bool,)
+TRAINER_TYPES: dict[str, tuple[tuple[type, ...], bool, str]] = {
+    # key: (types, None allowed, what is expected)
+    "max_steps": (INT, False, "an integer number of optimizer steps (-1: no limit)"),
+    "min_steps": (INT, True, "an integer number of optimizer steps"),
+    "max_epochs": (INT, True, "an integer number of epochs (-1: no limit)"),
+    "min_epochs": (INT, True, "an integer number of epochs"),
+    "num_nodes": (INT, False, "a positive integer"),
+    "accumulate_grad_batches": (INT, False, "a positive integer"),
+    "log_every_n_steps": (INT, False, "a positive integer"),
+    "check_val_every_n_epoch": (INT, True, "a positive integer or null"),
+    "num_sanity_val_steps": (INT, True, "an integer (-1: all batches)"),
+    "gradient_clip_val": (NUM, True, "a number >= 0 or null"),
+    "val_check_interval": (NUM, True, "a fraction of an epoch (float) or a number of batches (int), or null"),
+    "limit_train_batches": (NUM, True, "a fraction (float) or a number of batches (int), or null"),
+    "limit_val_batches": (NUM, True, "a fraction (float) or a number of batches (int), or null"),
+    "limit_test_batches": (NUM, True, "a fraction (float) or a number of batches (int), or null"),
+    "overfit_batches": (NUM, True, "a fraction (float) or a number of batches (int)"),
+    "fast_dev_run": ((bool, int), False, "true, false or a number of batches"),
+    "enable_progress_bar": (BOOL, False, "true or false"),
+    "enable_model_summary": (BOOL, False, "true or false"),
+    "detect_anomaly": (BOOL, False, "true or false"),
+}
+POSITIVE = {"num_nodes", "accumulate_grad_batches", "log_every_n_steps", "check_val_every_n_epoch"}
+
+
+def check_trainer_types(trainer: DictConfig | dict) -> None:
+    """Raise ``ConfigError('trainer.<key>', ...)`` for a trainer value of the wrong type or sign."""
+    for key, (types, nullable, expected) in TRAINER_TYPES.items():
+        if key not in trainer:
+            continue
+        value = trainer[key]
+        if value is None:
+            ok = nullable
+        elif isinstance(value, bool):  # bool is an int subclass: accept it only where a bool is meant
+            ok = bool in types
+        else:
+            ok = (isinstance(value, types) and not (key in POSITIVE and value < 1)
+                  and not (key == "gradient_clip_val" and value < 0))
+        if not ok:
+            raise ConfigError(f"trainer.{key}", f"expected {expected}, got {value!r}")
+    devices = trainer.get("devices")
+    if devices is not None and not isinstance(devices, (int, str, list, ListConfig)):
+        raise ConfigError("trainer.devices", f"expected an integer, 'auto' or a list of device ids, got {devices!r}")

@@ -121,7 +121,7 @@ class LraDataModule(SplitLoaders, L.LightningDataModule):
         )
 
     def setup(self, stage: str | None = None) -> None:
-        _, _, self.device_batch, self.device_eval_batch = device_batches(
+        self.world_size, _, self.device_batch, self.device_eval_batch = device_batches(
             self.trainer, self.batch_size, self.eval_batch_size, self.accumulate_grad_batches
         )
         for split in SPLITS:
@@ -129,9 +129,7 @@ class LraDataModule(SplitLoaders, L.LightningDataModule):
                 examples = self.load_split(split)
                 if self.limit is not None and len(examples) > self.limit:
                     examples = Examples([f[: self.limit] for f in examples.fields], examples.labels[: self.limit])
-                if len(examples) == 0:
-                    raise ValueError(f"{type(self).__name__}: split '{split}' is empty (task.data.root={self.root})")
-                self.datasets[split] = examples
+                self.datasets[split] = examples  # sizes are checked when the loaders are built (SplitLoaders)
 
     def collate_fn(self) -> PadCollate:
         return PadCollate(self.max_length, self.pad_to_longest, self.pad_multiple)

@@ -45,6 +45,9 @@ class LraImageDataModule(LraDataModule):
     def prepare_data(self) -> None:
         self.cifar.prepare_data()
 
+    def split_source(self, split: str) -> Path:
+        return self.cifar.split_source(split)
+
     def load_split(self, split: str) -> Examples:
         images = self.cifar.load_split(split)  # (N, 32, 32, 3) uint8
         labels = self.cifar_labels(split)

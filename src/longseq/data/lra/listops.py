@@ -21,6 +21,8 @@ from typing import Union
 import numpy as np
 
 from longseq.data.lra.common import Examples, LraDataModule
+from longseq.data.validation import check_file_not_empty
+from longseq.utils.errors import DataError
 
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
 CLOSE = "]"
@@ -29,6 +31,7 @@ SYMBOLS = tuple(str(d) for d in range(10)) + OPERATORS + ("X",)
 VOCAB = {s: i + 1 for i, s in enumerate(SYMBOLS)}  # 0 is PAD_ID
 UNK_ID = len(SYMBOLS) + 1
 VOCAB_SIZE = len(SYMBOLS) + 2  # PAD + 15 symbols + UNK
+NUM_CLASSES = 10  # expression values 0..9
 SPLIT_FILES = {"train": "basic_train.tsv", "val": "basic_val.tsv", "test": "basic_test.tsv"}
 
 Tree = Union[int, tuple[str, list["Tree"]]]  # a digit leaf, or (operator, children)
@@ -154,28 +157,47 @@ def write_dataset(root: Path, n_train: int = 96_000, n_val: int = 2_000, n_test:
 
 
 def read_split(path: Path) -> tuple[list[np.ndarray], np.ndarray]:
-    """(token-id arrays, labels) of a released-format TSV."""
+    """(token-id arrays, labels) of a released-format TSV; a malformed row is a ``DataError`` with its line."""
+    check_file_not_empty(path, "ListOps TSV")
     docs, labels = [], []
     with open(path, newline="") as f:
         reader = csv.reader(f, delimiter="\t")
         header = next(reader, None)
-        if header is None or [h.strip() for h in header[:2]] != ["Source", "Target"]:
-            raise ValueError(f"{path}: expected a 'Source\\tTarget' header, got {header}")
+        if header is None or [h.strip() for h in header] != ["Source", "Target"]:
+            raise DataError(path, f"expected the header 'Source<TAB>Target', got {header}", line=1)
         for row in reader:
-            if row:
-                docs.append(encode(tokenize(row[0])))
-                labels.append(int(row[1]))
+            if not row:
+                continue
+            line = reader.line_num
+            if len(row) != 2:
+                raise DataError(path, f"expected 2 tab-separated columns (Source, Target), got {len(row)}: "
+                                      f"{row[:3]}", line=line)
+            tokens = tokenize(row[0])
+            if not tokens:
+                raise DataError(path, "the Source column holds no expression", line=line)
+            try:
+                label = int(row[1])
+            except ValueError:
+                label = -1
+            if not 0 <= label < NUM_CLASSES:
+                raise DataError(path, f"the Target column must be a value 0..{NUM_CLASSES - 1}, got {row[1]!r}",
+                                line=line)
+            docs.append(encode(tokens))
+            labels.append(label)
     return docs, np.array(labels, dtype=np.int64)
 
 
 class LraListOpsDataModule(LraDataModule):
     """ListOps from ``<root>/listops-1000/basic_{train,val,test}.tsv``; 10 classes, vocabulary of 17."""
 
-    num_classes = 10
+    num_classes = NUM_CLASSES
     vocab_size = VOCAB_SIZE
 
+    def split_source(self, split: str) -> Path:
+        return self.root / "listops-1000" / SPLIT_FILES[split]
+
     def load_split(self, split: str) -> Examples:
-        path = self.root / "listops-1000" / SPLIT_FILES[split]
+        path = self.split_source(split)
         if not path.is_file():
             raise self.missing(path, f"ListOps {split} split")
         docs, labels = read_split(path)

@@ -25,6 +25,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from longseq.data.lra.common import Examples, LraDataModule
+from longseq.utils.errors import ConfigError, DataError
 
 DIFFICULTIES = {"baseline": "curv_baseline", "inter": "curv_contour_length_9", "hard": "curv_contour_length_14"}
 CONTOUR_LENGTHS = {"curv_baseline": 6, "curv_contour_length_9": 9, "curv_contour_length_14": 14}
@@ -38,25 +39,43 @@ def difficulty_dir(difficulty: str) -> str:
         return DIFFICULTIES[difficulty]
     if difficulty in DIFFICULTIES.values():
         return difficulty
-    raise ValueError(f"task.difficulty={difficulty!r} is not valid; choose one of {sorted(DIFFICULTIES)} "
-                     f"(or {sorted(DIFFICULTIES.values())})")
+    raise ConfigError("task.difficulty", f"{difficulty!r} is not valid; choose one of {sorted(DIFFICULTIES)} "
+                                         f"(or {sorted(DIFFICULTIES.values())})")
 
 
 # ----------------------------------------------------------------------------------------------------
 # Loader
 
 
-def metadata_lines(folder: Path) -> list[list[str]]:
-    """Every metadata line (split into fields) of ``folder/metadata/*.npy``, files in numeric order."""
+class MetadataLine(list):
+    """The whitespace-split fields of one metadata line, with where it came from (``path``, 1-based ``line``)."""
+
+    path: Path
+    line: int
+
+
+def metadata_lines(folder: Path) -> list[MetadataLine]:
+    """Every metadata line (split into fields) of ``folder/metadata/*.npy``, files in numeric order.
+
+    A line needs ``<subdir> <filename> <img_idx> <label>`` with a 0/1 label; anything else is a ``DataError``
+    naming the file and line.
+    """
     files = sorted(folder.glob("metadata/*.npy"), key=lambda p: (int(p.stem) if p.stem.isdigit() else 1 << 62, p.stem))
     lines = []
     for path in files:
-        for line in path.read_text().splitlines():
-            fields = line.split()
-            if fields:
-                if len(fields) < 4:
-                    raise ValueError(f"{path}: metadata line {line!r} has fewer than 4 fields")
-                lines.append(fields)
+        for line_no, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            fields = MetadataLine(line.split())
+            if not fields:
+                continue
+            if len(fields) < 4:
+                raise DataError(path, f"a metadata line needs at least 4 fields (subdir filename index label), got "
+                                      f"{len(fields)}: {line!r}", line=line_no)
+            if fields[3] not in ("0", "1"):
+                raise DataError(path, f"the label (4th field) must be 0 or 1, got {fields[3]!r}", line=line_no)
+            fields.path, fields.line = path, line_no
+            lines.append(fields)
+    if not lines:
+        raise DataError(folder / "metadata", "holds no metadata lines (no *.npy files, or only empty ones)")
     return lines
 
 
@@ -88,6 +107,9 @@ class LraPathfinderDataModule(LraDataModule):
     def folder(self) -> Path:
         return self.root / f"pathfinder{self.resolution}" / self.difficulty
 
+    def split_source(self, split: str) -> Path:
+        return self.folder / "metadata"
+
     def load_split(self, split: str) -> Examples:
         if self._lines is None:
             if not (self.folder / "metadata").is_dir():
@@ -98,12 +120,19 @@ class LraPathfinderDataModule(LraDataModule):
         for fields in lines:
             relative = f"{fields[0]}/{fields[1]}"
             path = self.folder / relative
-            if (f"pathfinder{self.resolution}", self.difficulty, relative) in KNOWN_EMPTY or path.stat().st_size == 0:
+            if (f"pathfinder{self.resolution}", self.difficulty, relative) in KNOWN_EMPTY:
                 continue
-            with Image.open(path) as img:
-                pixels = np.asarray(img.convert("L"), dtype=np.uint8)
+            if not path.is_file():
+                raise DataError(fields.path, f"names the image {path}, which does not exist", line=fields.line)
+            if path.stat().st_size == 0:  # any zero-byte image is skipped like the known one (module docstring)
+                continue
+            try:
+                with Image.open(path) as img:
+                    pixels = np.asarray(img.convert("L"), dtype=np.uint8)
+            except (OSError, SyntaxError) as err:  # PIL: UnidentifiedImageError, truncated file
+                raise DataError(path, f"is not a readable image ({err}); listed at {fields.path}:{fields.line}") from None
             if pixels.shape != (self.resolution, self.resolution):
-                raise ValueError(f"{path}: image is {pixels.shape}, expected {self.resolution}x{self.resolution}")
+                raise DataError(path, f"image is {pixels.shape}, expected {self.resolution}x{self.resolution}")
             images.append(pixels.reshape(-1))
             labels.append(int(fields[3]))
             if self.limit is not None and len(images) >= self.limit:

@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from longseq.data.lra.common import BYTE_VOCAB_SIZE, Examples, LraDataModule, encode_bytes
+from longseq.data.validation import check_file_not_empty
+from longseq.utils.errors import DataError
 
 SPLIT_FILES = {"train": "new_aan_pairs.train.tsv", "val": "new_aan_pairs.eval.tsv", "test": "new_aan_pairs.test.tsv"}
 
@@ -33,18 +35,26 @@ def document_bytes(field: str) -> bytes:
 
 
 def read_split(path: Path, max_length: int) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
-    """(first documents, second documents, labels) of one released TSV."""
+    """(first documents, second documents, labels) of one released TSV; a malformed row is a ``DataError``
+    naming its line."""
+    check_file_not_empty(path, "AAN retrieval TSV")
     first, second, labels = [], [], []
     with open(path, encoding="utf-8", errors="surrogateescape") as f:
         for line_no, line in enumerate(f, 1):
-            line = line.rstrip("\n")
+            line = line.rstrip("\r\n")
             if not line:
                 continue
             cols = line.split("\t")
             if len(cols) != 5:
-                raise ValueError(f"{path}:{line_no}: expected 5 tab-separated columns (label id1 id2 text1 text2), "
-                                 f"got {len(cols)}")
-            labels.append(int(float(cols[0])))
+                raise DataError(path, f"expected 5 tab-separated columns (label id1 id2 text1 text2), got {len(cols)}",
+                                line=line_no)
+            try:
+                label = float(cols[0])
+            except ValueError:
+                label = -1.0
+            if label not in (0.0, 1.0):
+                raise DataError(path, f"the label column must be 0 or 1, got {cols[0]!r}", line=line_no)
+            labels.append(int(label))
             first.append(encode_bytes(document_bytes(cols[3]), max_length))
             second.append(encode_bytes(document_bytes(cols[4]), max_length))
     return first, second, np.array(labels, dtype=np.int64)
@@ -56,8 +66,11 @@ class LraRetrievalDataModule(LraDataModule):
     num_classes = 2
     vocab_size = BYTE_VOCAB_SIZE
 
+    def split_source(self, split: str) -> Path:
+        return self.root / "tsv_data" / SPLIT_FILES[split]
+
     def load_split(self, split: str) -> Examples:
-        path = self.root / "tsv_data" / SPLIT_FILES[split]
+        path = self.split_source(split)
         if not path.is_file():
             raise self.missing(path, f"AAN retrieval {split} split")
         first, second, labels = read_split(path, self.max_length)

@@ -9,10 +9,13 @@ set (IMDB has no validation split).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from longseq.data.lra.common import BYTE_VOCAB_SIZE, Examples, LraDataModule, encode_bytes
 from longseq.data.text import load_hf_split, offline_requested
+from longseq.utils.errors import DataError
 
 HUB_NAME, HUB_CONFIG = "stanfordnlp/imdb", "plain_text"
 HF_SPLITS = {"train": "train", "val": "test", "test": "test"}  # LRA validates on the test set
@@ -23,6 +26,9 @@ class LraTextDataModule(LraDataModule):
 
     num_classes = 2
     vocab_size = BYTE_VOCAB_SIZE
+
+    def split_source(self, split: str) -> Path:
+        return self.root / "imdb" if (self.root / "imdb").is_dir() else self.root / "hf_cache"
 
     def load_split(self, split: str) -> Examples:
         saved, cache = self.root / "imdb", self.root / "hf_cache"
@@ -36,5 +42,6 @@ class LraTextDataModule(LraDataModule):
         docs = [encode_bytes(text, self.max_length) for text in rows["text"]]
         labels = np.asarray(rows["label"], dtype=np.int64)
         if set(np.unique(labels)) - {0, 1}:
-            raise ValueError(f"IMDB {split}: labels must be 0/1, got {sorted(set(np.unique(labels)))}")
+            raise DataError(self.split_source(split), f"IMDB {split}: labels must be 0/1, got "
+                                                      f"{sorted(set(np.unique(labels).tolist()))}")
         return Examples([docs], labels)

@@ -1,0 +1,1 @@
+"""Lightning callbacks, one per module, referenced by full path from ``conf/callbacks/*.yaml``."""

@@ -1,0 +1,79 @@
+"""``SampleImages``: log a grid of model samples to every active logger and the run directory."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.utilities import rank_zero_only
+from torchvision.utils import make_grid, save_image
+
+
+def image_grid(images: torch.Tensor, num_levels: int) -> torch.Tensor:
+    """(N, H, W, C) uint8 level images -> (3 or 1, H', W') float grid in [0, 1]."""
+    x = images.permute(0, 3, 1, 2).float() / max(1, num_levels - 1)
+    return make_grid(x, nrow=int(len(images) ** 0.5) or 1, padding=1, pad_value=1.0)
+
+
+def can_decode(module: L.LightningModule) -> bool:
+    """True when the backbone has an incremental decoding state for its attention (else sampling recomputes;
+    asking for the cache would only print a fallback warning at every grid)."""
+    try:
+        module.net.new_decoding_state(1, 1)
+    except Exception:  # noqa: BLE001 - DecodingNotSupported, or a backbone without decoding at all
+        return False
+    return True
+
+
+class SampleImages(L.Callback):
+    """Every ``every_n_epochs`` validation epochs and once at the end of training, sample ``n_samples``
+    images and log the grid (``final=false`` drops the end-of-training grid).
+
+    Files land in ``<dirpath>/samples_step<N>.png``; TensorBoard gets ``add_image``, W&B a
+    ``wandb.Image`` (via ``log_image``), CSV runs keep the PNG files. Tasks without ``sample`` are skipped.
+    """
+
+    def __init__(self, dirpath: str, n_samples: int = 16, every_n_epochs: int = 1, temperature: float = 1.0,
+                 seed: int = 0, final: bool = True) -> None:
+        self.dirpath = Path(dirpath)
+        self.n_samples, self.every_n_epochs = n_samples, every_n_epochs
+        self.temperature, self.seed, self.final = temperature, seed, final
+        self.last_step: int | None = None
+
+    def active(self, trainer: L.Trainer, module: L.LightningModule) -> bool:
+        return (hasattr(module, "sample") and self.n_samples > 0 and not trainer.sanity_checking
+                and not trainer.fast_dev_run)
+
+    @rank_zero_only
+    def on_validation_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if not self.active(trainer, module) or trainer.state.fn != "fit":
+            return
+        if (trainer.current_epoch + 1) % self.every_n_epochs:
+            return
+        self.log_samples(trainer, module)
+
+    @rank_zero_only
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if self.final and self.active(trainer, module) and self.last_step != trainer.global_step:
+            self.log_samples(trainer, module)
+
+    def log_samples(self, trainer: L.Trainer, module: L.LightningModule) -> Path:
+        gen = torch.Generator(device=module.device).manual_seed(self.seed)
+        options = {"cache": can_decode(module)} if "cache" in inspect.signature(module.sample).parameters else {}
+        images = module.sample(self.n_samples, self.temperature, generator=gen, **options)
+        grid = image_grid(images.cpu(), module.num_levels)
+        step = self.last_step = trainer.global_step
+        self.dirpath.mkdir(parents=True, exist_ok=True)
+        path = self.dirpath / f"samples_step{step}.png"
+        save_image(grid, path)
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                logger.log_image(key="samples", images=[grid], step=step)
+            elif isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_image("samples", grid, step)
+            elif isinstance(logger, CSVLogger):
+                save_image(grid, Path(logger.log_dir) / path.name)
+        return path

@@ -1,0 +1,194 @@
+"""Faults around checkpoints and runs: bad ckpt_path, set-up failures, NaN, resume in place, atomic writes.
+
+Each test injects one fault and asserts the exit code / exception, the message (naming the key or file), and
+which files exist afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from conftest import CONF, ROOT, compose_config
+
+from longseq import runner
+from longseq.runner import evaluate, train
+from longseq.utils.checkpoint import save_atomically
+from longseq.utils.errors import ConfigError, NonFiniteError
+from longseq.utils.resume import preflight
+
+TINY = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "trainer.limit_val_batches=1",
+        "trainer.limit_test_batches=1", "extras.print_config=false", "trainer.enable_progress_bar=false",
+        "trainer.enable_model_summary=false"]
+
+
+def cli(script: str, args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    """A real CLI run (4 steps, last.ckpt every 2 steps, CSV logger) to resume, evaluate and corrupt."""
+    run = tmp_path_factory.mktemp("runs") / "run"
+    out = cli("train.py", [f"hydra.run.dir={run}", "trainer.max_steps=4", "logger=csv", "test=false",
+                           "callbacks.model_checkpoint.every_n_train_steps=2", "trainer.log_every_n_steps=1", *TINY])
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run
+
+
+def ckpts(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.rglob("*.ckpt"))
+
+
+def preflight_error(argv: list[str], capsys) -> str:
+    """Run train.py's pre-flight in-process; return the one-line error it exits with."""
+    with pytest.raises(SystemExit) as stop:
+        preflight(["train.py", *argv], CONF, "train")
+    assert stop.value.code == 1
+    return capsys.readouterr().err.strip().splitlines()[0]
+
+
+def test_missing_ckpt_path_fails_before_a_run_dir(tmp_path, capsys):
+    line = preflight_error([f"ckpt_path={tmp_path / 'nope.ckpt'}", *TINY], capsys)
+    assert line == f"error: ckpt_path: {tmp_path / 'nope.ckpt'} does not exist; {tmp_path} holds no .ckpt file"
+
+
+def test_truncated_ckpt_path_is_named_by_train_and_eval(trained_run, tmp_path):
+    broken = tmp_path / "checkpoints" / "last.ckpt"
+    broken.parent.mkdir()
+    data = (trained_run / "checkpoints" / "last.ckpt").read_bytes()
+    broken.write_bytes(data[: len(data) // 2])  # a copy interrupted half-way
+    new_run = tmp_path / "never"
+    out = cli("train.py", [f"ckpt_path={broken}", f"hydra.run.dir={new_run}", *TINY])
+    assert out.returncode == 1
+    assert f"error: ckpt_path: {broken} cannot be read as a checkpoint (truncated" in out.stderr
+    assert "Traceback" not in out.stderr and not new_run.exists()
+    with pytest.raises(ConfigError, match="cannot be read as a checkpoint"):  # not "config_resolved.yaml not found"
+        evaluate(compose_config([f"ckpt_path={broken}"], tmp_path / "eval", config_name="eval"))
+
+
+def test_mismatched_ckpt_names_keys_and_the_runs_overrides(trained_run, capsys):
+    before = {p: p.stat().st_mtime_ns for p in (trained_run / "checkpoints").iterdir()}
+    line = preflight_error([f"ckpt_path={trained_run / 'checkpoints' / 'last.ckpt'}", *TINY, "model.d_model=48"],
+                           capsys)
+    assert line.startswith("error: ckpt_path: ") and "does not match the composed model" in line
+    assert "shape differs: net." in line and "32) vs (" in line and "48)" in line
+    assert str(trained_run / ".hydra" / "overrides.yaml") in line
+    assert {p: p.stat().st_mtime_ns for p in (trained_run / "checkpoints").iterdir()} == before
+
+
+def test_set_up_failure_writes_no_checkpoint(make_cfg, tmp_path):
+    cfg = make_cfg(["task.batch_size=5000"])  # larger than the training split: fails in fit set-up
+    with pytest.raises(Exception, match="batch"):
+        train(cfg)
+    assert ckpts(tmp_path) == []
+
+
+def test_typed_trainer_key_is_named(make_cfg):
+    with pytest.raises(ConfigError, match=r"trainer.max_steps: expected an integer .* got 'abc'"):
+        train(make_cfg(["trainer.max_steps=abc"]))
+    with pytest.raises(ConfigError, match="trainer.limit_val_batches"):
+        train(make_cfg(["trainer.limit_val_batches=all"]))
+
+
+def test_typed_trainer_key_prints_one_line(tmp_path):
+    out = cli("train.py", ["trainer.max_steps=abc", f"hydra.run.dir={tmp_path / 'run'}", *TINY])
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-2] == (
+        "error: trainer.max_steps: expected an integer number of optimizer steps (-1: no limit), got 'abc'")
+    assert "Traceback" not in out.stderr and "Traceback" in (tmp_path / "run" / "train.log").read_text()
+
+
+class Diverge(L.Callback):
+    """The injected fault: the weights turn NaN after step 4 (as a diverging learning rate would)."""
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step == 4:
+            with torch.no_grad():
+                next(module.parameters()).fill_(float("nan"))
+
+
+def with_callback(cfg, callback):
+    original = runner.instantiate_group
+    runner.instantiate_group = lambda group: original(group) + ([callback] if group is cfg.get("callbacks") else [])
+    return original
+
+
+def test_nan_stops_and_keeps_the_last_finite_checkpoint(make_cfg, tmp_path):
+    cfg = make_cfg(["trainer.max_steps=20", "callbacks.model_checkpoint.every_n_train_steps=2"])
+    original = with_callback(cfg, Diverge())
+    try:
+        with pytest.raises(NonFiniteError) as caught:
+            train(cfg)
+    finally:
+        runner.instantiate_group = original
+    assert caught.value.what == "train/loss" and caught.value.step == 5
+    assert "last finite checkpoint" in caught.value.kept and "(step 4)" in caught.value.kept
+    assert ckpts(tmp_path) == ["last.ckpt"]  # no interrupted.ckpt of the diverged state
+    state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert state["global_step"] == 4
+    assert all(torch.isfinite(v).all() for v in state["state_dict"].values())
+
+
+def test_diverging_lr_exits_non_zero_naming_the_step(tmp_path):
+    run = tmp_path / "run"
+    out = cli("train.py", ["optimizer.lr=1e39", "scheduler=constant", "trainer.max_steps=50", f"hydra.run.dir={run}",
+                           *TINY])
+    assert out.returncode == 1
+    assert "error: train/loss: not finite at step " in out.stderr
+    assert ckpts(run) == []
+
+
+def test_resume_in_place_continues_the_same_run_dir(trained_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    overrides = (run / ".hydra" / "overrides.yaml").read_text()
+    logs_before = sorted(p.name for p in tmp_path.iterdir())
+    out = cli("train.py", [f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", "trainer.max_steps=6", "logger=csv",
+                           "trainer.log_every_n_steps=1", "test=false", *TINY])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"resuming in place: {run}" in out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == logs_before  # no second run directory
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 6
+    assert ckpts(run) == ["last.ckpt"]  # no last-v1.ckpt, no interrupted.ckpt
+    assert (run / ".hydra" / "overrides.yaml").read_text() == overrides  # the original record is kept
+    assert len(list((run / ".hydra").glob("resume-*/overrides.yaml"))) == 1
+    first, resumed = (run / "csv" / "metrics.csv").read_text(), (run / "csv" / "resume1" / "metrics.csv").read_text()
+    assert "train/loss" in first and "train/loss" in resumed
+    assert "resuming in place" in (run / "train.log").read_text()  # the run's log is appended
+
+
+def test_atomic_save_keeps_the_old_file_when_a_write_fails(tmp_path, monkeypatch):
+    path = tmp_path / "last.ckpt"
+    save_atomically({"step": 1}, path)
+
+    def failing_save(obj, f):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        save_atomically({"step": 2}, path)
+    monkeypatch.undo()
+    assert torch.load(path) == {"step": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_train_false_returns_test_metrics_without_optimized_metric(trained_run, make_cfg, tmp_path):
+    ckpt = trained_run / "checkpoints" / "last.ckpt"
+    cfg = make_cfg(["train=false", f"ckpt_path={ckpt}"])
+    metrics = train(cfg)
+    assert 0 < metrics["test/bpd"] < 6 and "val/bpd" not in metrics
+    assert runner.metric_value(metrics, "val/bpd", trained=False) is None
+    assert not (tmp_path / "checkpoints").exists()
+    assert math.isfinite(metrics["test/bpd"])

@@ -1,0 +1,120 @@
+"""The console and the loggers of a run: progress bar, logged metrics, final samples, fdr, train=false, W&B resume."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import lightning as L
+from conftest import ROOT, compose_config
+
+from longseq import runner
+from longseq.callbacks.progress import StepProgressBar
+from longseq.runner import train
+
+
+def test_step_progress_bar_counts_optimizer_steps_to_max_steps(make_cfg):
+    cfg = make_cfg(["trainer.max_steps=5", "trainer.enable_progress_bar=true"])
+    seen = {}
+
+    class Probe(L.Callback):
+        def on_train_end(self, trainer, module):
+            bar = next(c for c in trainer.callbacks if isinstance(c, StepProgressBar)).train_progress_bar
+            seen.update(total=bar.total, n=bar.n, desc=bar.desc, postfix=bar.postfix)
+
+    original = runner.instantiate_group
+    runner.instantiate_group = lambda group: original(group) + ([Probe()] if group is cfg.get("callbacks") else [])
+    try:
+        train(cfg)
+    finally:
+        runner.instantiate_group = original
+    assert (seen["total"], seen["n"]) == (5, 5)
+    assert seen["desc"].startswith("train") and "tokens/s=" in seen["postfix"]
+
+
+def test_lr_grad_norm_tokens_per_s_are_logged_and_a_final_sample_grid_is_saved(make_cfg, tmp_path):
+    train(make_cfg(["logger=csv", "trainer.max_steps=3", "trainer.log_every_n_steps=1",
+                    "callbacks.samples.n_samples=4", "task.sample_every_n_epochs=1000"]))
+    header = (tmp_path / "csv" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"train/lr", "train/grad_norm", "train/tokens_per_s", "train/loss"} <= set(header)
+    assert [p.name for p in (tmp_path / "samples").glob("*.png")] == ["samples_step3.png"]
+
+
+def test_fast_dev_run_writes_no_checkpoint(make_cfg, tmp_path):
+    metrics = train(make_cfg(["debug=fdr"]))
+    assert math.isfinite(metrics["test/bpd"])
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_wandb_run_is_resumed_by_id_in_place(make_cfg, tmp_path):
+    train(make_cfg(["logger=wandb", "logger.wandb.offline=true", "trainer.max_steps=2", "test=false"]))
+    first = list((tmp_path / "wandb").glob("offline-run-*"))
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    train(compose_config(["logger=wandb", "logger.wandb.offline=true", "trainer.max_steps=3", "test=false",
+                          f"ckpt_path={last}"], tmp_path))
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(first) == 1 and len(runs) == 2
+    assert len({p.name.rsplit("-", 1)[-1] for p in runs}) == 1  # one W&B run id, resumed
+
+
+def test_xl_trams_evaluation_without_training_exits_zero(make_cfg, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(("def f(x):\n    return x + 1\n" * 200).encode())
+    xl = [f"task.data.path={corpus}", "trainer=cpu", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
+          "model.d_inner=64", "model.tgt_len=8", "task.batch_size=4", "task.data.eval_batch_size=2"]
+    metrics = train(compose_config(["task=enwik8", "model=transformer_xl", "trainer.max_steps=2", "test=false",
+                                    "memory.mem_len=8", *xl], tmp_path / "xl"))
+    assert math.isfinite(metrics["val/bpc"])
+    run = tmp_path / "trams"
+    out = subprocess.run(
+        [sys.executable, "train.py", "experiment=enwik8/xl_trams", f"task.module.init_from={tmp_path / 'xl' / 'checkpoints' / 'last.ckpt'}",
+         *xl, "memory.eval_tgt_len=8", "memory.eval_mem_len=8", "memory.pool=16", "memory.recent_keep=4",
+         "memory.topk=4", "trainer.limit_test_batches=2", "extras.print_config=false",
+         "trainer.enable_progress_bar=false", f"hydra.run.dir={run}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "test/bpc=" in out.stdout and "test/trams_bpc=" in out.stdout
+    assert "last checkpoint:" not in out.stdout and "tested checkpoint:" not in out.stdout  # no path that does not exist
+    assert not (run / "checkpoints").exists()
+
+
+def test_error_summary_is_one_line_naming_the_key_file_or_step():
+    from longseq.utils.console import error_summary
+    from longseq.utils.errors import ConfigError, DataError, NonFiniteError
+
+    assert error_summary(ConfigError("optimizer.lr", "must be > 0,\n got -1")) == "error: optimizer.lr: must be > 0, got -1"
+    assert error_summary(DataError("a.tsv", "expected 2 columns", line=4)) == "error: a.tsv:4: expected 2 columns"
+    assert error_summary(NonFiniteError("train/loss", 7, "loss=nan")) == "error: train/loss: not finite at step 7 (loss=nan)"
+    worker = RuntimeError("\n\n-- Process 0 terminated with the following error:\nTraceback (most recent call last):\n"
+                          '  File "x.py", line 1\nlongseq.utils.errors.NonFiniteError: train/loss: not finite at step 3\n')
+    assert error_summary(worker) == "error: longseq.utils.errors.NonFiniteError: train/loss: not finite at step 3"
+    # A datamodule is built through hydra.utils.instantiate, which wraps its constructor's error: unwrapped.
+    from hydra.errors import InstantiationException
+
+    wrapped = InstantiationException("Error in call to target 'X'")
+    wrapped.__cause__ = DataError("corpus.txt", "the corpus file (task.data.path) is empty")
+    assert error_summary(wrapped) == "error: corpus.txt: the corpus file (task.data.path) is empty"
+
+
+def test_bench_warns_when_another_process_keeps_the_cpu_busy():
+    from io import StringIO
+
+    from rich.console import Console
+
+    from longseq.bench.run import BUSY_CORES, other_cpu_load, warn_if_busy
+
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        load = other_cpu_load(seconds=1.0)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert load > BUSY_CORES  # the spinning process alone keeps about one core busy
+    out = StringIO()
+    warn_if_busy(Console(file=out, width=200), load, "before the run")
+    assert "warning" in out.getvalue() and "not reliable" in out.getvalue()
+    quiet = StringIO()
+    warn_if_busy(Console(file=quiet, width=200), 0.0, "before the run")
+    assert quiet.getvalue() == ""
