@@ -362,3 +362,13 @@ def test_xl_task_rejects_other_attentions_and_image_tasks(make_cfg):
         build_module(make_cfg(["task=enwik8", "model=transformer_xl", "attention=local"]))
     with pytest.raises(ValueError, match="memory.selection"):
         build_module(make_cfg(["task=enwik8", "model=transformer_xl", "memory.selection=nope"]))
+
+
+@pytest.mark.parametrize("key", ["n_layers", "d_model", "n_heads", "d_inner"])
+def test_model_sizes_below_one_are_rejected_naming_the_key(key):
+    from longseq.utils.errors import ConfigError
+
+    sizes = dict(vocab_size=10, n_layers=1, d_model=8, n_heads=2, d_inner=16)
+    sizes[key] = 0
+    with pytest.raises(ConfigError, match=rf"model\.{key}: must be an integer >= 1, got 0"):
+        TransformerXL(**sizes)

@@ -31,6 +31,7 @@ from torch import nn
 
 from longseq.models.adaptive_softmax import AdaptiveEmbedding, AdaptiveLogSoftmax
 from longseq.models.trams import TramsSpec, gather_keys, kept_indices, key_scores, query_weights
+from longseq.models.transformer import check_positive_int
 
 MEM_INITS = ("empty", "zeros")
 
@@ -204,6 +205,9 @@ class TransformerXL(nn.Module):
                  init_std: float = 0.02, d_embed: int | None = None, div_val: int = 1,
                  tie_projs: Sequence[bool] = (), untie_r: bool = False, proj_init_std: float = 0.01) -> None:
         super().__init__()
+        for key, value in (("task.vocab_size", vocab_size), ("model.n_layers", n_layers), ("model.d_model", d_model),
+                           ("model.n_heads", n_heads), ("model.d_inner", d_inner)):
+            check_positive_int(key, value)
         d_head = d_head or d_model // n_heads
         self.vocab_size, self.n_layers, self.d_model = vocab_size, n_layers, d_model
         self.n_heads, self.d_head, self.pre_lnorm, self.untie_r = n_heads, d_head, pre_lnorm, untie_r
