@@ -13,19 +13,21 @@ from attention_checks import assert_no_future, assert_rows_sum_to_one, random_qk
 from conftest import CONF
 from omegaconf import OmegaConf
 
-from longseq.attention import ATTENTION_REGISTRY, build_attention
+from longseq.attention import ATTENTION_REGISTRY, AttentionConfigError, build_attention
+from longseq.attention.registry import accepted_kwargs
 from longseq.runner import train
 
 L, BLOCK = 16, 4
 
 
-def build(name: str, causal: bool, seq_len: int = L, n_heads: int = 2, head_dim: int = 8):
-    """The attention ``name`` built from its YAML with a (seq_len, block 4, 4 clusters) task geometry."""
+def build(name: str, causal: bool, seq_len: int | None = L, n_heads: int = 2, head_dim: int = 8, **overrides):
+    """The attention ``name`` built from its YAML with a (seq_len, block 4, 4 clusters) task geometry;
+    ``overrides`` replace resolved knobs (``seq_len=None``: built without a known length)."""
     spec = OmegaConf.load(CONF / "attention" / f"{name}.yaml")
-    task = {"causal": causal, "seq_len": seq_len, "block_size": BLOCK, "n_clusters": 4}
+    task = {"causal": causal, "seq_len": seq_len or L, "block_size": BLOCK, "n_clusters": 4}
     root = OmegaConf.create({"task": task, "attention": spec, "partition": {"name": "fixed", "block_size": BLOCK}})
     kwargs = OmegaConf.to_container(root.attention, resolve=True)
-    kwargs["causal"] = causal
+    kwargs.update(overrides, causal=causal)
     return build_attention(kwargs.pop("name"), seq_len=seq_len, n_heads=n_heads, head_dim=head_dim, **kwargs)
 
 
@@ -103,3 +105,38 @@ def test_train_cli_three_steps(name, tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "test/bpd" in out.stdout
+
+
+CLUSTERED = {"routing", "combiner_routing"}  # segments of lcm(block_size, n_clusters)
+BLOCK_SIZE_NAMES = sorted(n for n in ATTENTION_REGISTRY if "block_size" in accepted_kwargs(ATTENTION_REGISTRY[n].cls))
+
+
+def block_size_error(name: str, block_size, seq_len: int | None) -> str:
+    with pytest.raises(AttentionConfigError, match="attention.block_size") as raised:
+        build(name, modes(name)[0], seq_len=seq_len, block_size=block_size)
+    return str(raised.value)
+
+
+def test_block_size_is_validated_the_same_way_everywhere():
+    """One validation (``geometry.check_block_size``) for every variant with a block size: non-integers are
+    rejected, never floored; zero, negatives and booleans too; the message names the key and the valid values."""
+    assert {"fixed", "axial", "strided", "combiner_fixed", "combiner_axial", "combiner_mixture",
+            "combiner_axial_vertical", "combiner_axial_horizontal", "combiner_routing"} <= set(BLOCK_SIZE_NAMES)
+    for bad in (4.7, 4.0, 0, -4, True, "4"):
+        for seq_len, valid in ((L, "valid values: [1, 2, 4, 8, 16]"), (None, "valid values: positive integers")):
+            messages = {name: block_size_error(name, bad, seq_len) for name in BLOCK_SIZE_NAMES}
+            for name, message in messages.items():
+                assert message.startswith(f"attention.block_size={bad!r} is not a positive integer"), name
+            # grid variants (the block size divides L) word for word alike; the clustering ones tile L with
+            # lcm(block_size, n_clusters), so their hint does not list divisors of L
+            grid = {m for n, m in messages.items() if n not in CLUSTERED}
+            assert len(grid) == 1 and valid in grid.pop(), messages
+
+
+@pytest.mark.parametrize("name", BLOCK_SIZE_NAMES)
+def test_block_size_that_does_not_divide_the_length_is_rejected(name):
+    message = block_size_error(name, 5, L)
+    assert "[1, 2, 4, 8, 16]" in message
+    attn = build(name, modes(name)[0], seq_len=None, block_size=5)  # length unknown: checked on the first call
+    with pytest.raises(AttentionConfigError, match=r"attention\.block_size.*\[1, 2, 4, 8, 16\]"):
+        attn(*random_qkv(B=1, H=2, L=L, D=8))

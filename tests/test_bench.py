@@ -186,3 +186,74 @@ def test_training_throughput_lightning_vs_bare_loop(tmp_path: Path) -> None:
     overhead = float(row["lightning_overhead"])
     assert math.isclose(overhead, float(row["lightning_ms"]) / float(row["bare_ms"]), rel_tol=1e-4)
     assert "tokens/s (Lightning)" in (run_dir / "results.md").read_text()
+
+
+def test_long_preset_composes_and_runs_at_small_lengths(tmp_path: Path) -> None:
+    """``make bench ARGS="preset=long"``: the headline Combiner variants and full, fwd+bwd at 16k and 64k with
+    B=1, H=8, D=64 (the issue's geometry). Composed through Hydra as the CLI does, resolved at 64k without
+    building anything that large, and run end to end at tiny lengths (never at 64k in tests)."""
+    from conftest import compose_config
+
+    from longseq.bench.run import run_benchmark
+
+    cfg = compose_config(["preset=long"], config_name="bench", fast=False)
+    apply_preset(cfg, ["preset=long"])
+    assert list(cfg.attentions) == ["full", "combiner_fixed", "combiner_axial", "combiner_logsparse"]
+    assert list(cfg.lengths) == [16384, 65536] and list(cfg.mode) == ["fwd_bwd"]
+    assert (cfg.heads, cfg.head_dim, cfg.batch, cfg.causal, cfg.throughput) == (8, 64, 1, True, False)
+    for name in cfg.attentions:
+        spec = build_spec(name, 65536, causal=True, n_heads=cfg.heads, head_dim=cfg.head_dim)
+        assert not spec.skip_reason, (name, spec.skip_reason)
+        if name in ("combiner_fixed", "combiner_axial"):
+            assert spec.block_size == 256  # 2 ** round(log2(65536) / 2)
+
+    overrides = ["preset=long", "lengths=[64,256]", "repeats=1", "isolate=false", "device=cpu", "plot=false",
+                 f"out_dir={tmp_path}"]
+    cfg = OmegaConf.load(CONF_DIR / "bench.yaml")
+    cfg.merge_with(OmegaConf.from_dotlist(overrides))
+    apply_preset(cfg, overrides)
+    rows = read_rows(run_benchmark(cfg) / "results.csv")
+    assert [(r["attention"], int(r["length"]), r["mode"]) for r in rows] == [
+        (name, length, "fwd_bwd") for name in cfg.attentions for length in (64, 256)
+    ]
+    assert all(r["status"] == "ok" and float(r["peak_mem_mb"]) >= 0 and r["heads"] == "8" for r in rows)
+
+
+def test_sampling_measurement_writes_cached_and_recompute_rates(tmp_path: Path) -> None:
+    """``sample=true`` (issue 16): sampling.csv with the issue's columns, one row per attention; a cached rate
+    exactly for the attentions with a decoding state, and one layer's step time by position in
+    decode_steps.csv. Tiny geometry (L = 64, block 8); the figures themselves are not asserted."""
+    from longseq.attention.registry import ATTENTION_REGISTRY
+    from longseq.bench.run import run_benchmark
+
+    cfg = OmegaConf.load(CONF_DIR / "bench.yaml")
+    assert cfg.sample is False and list(cfg.sampling.attentions) == [
+        "full", "combiner_fixed", "combiner_axial", "combiner_logsparse", "fixed", "axial"]
+    assert (cfg.sampling.seq_len, cfg.sampling.n_layers, cfg.sampling.d_model, cfg.sampling.n_heads,
+            cfg.sampling.batch) == (3072, 2, 128, 4, 16)  # the issue's CIFAR-10 geometry
+    cfg.merge_with({"sample": True, "attentions": ["full"], "lengths": [], "throughput": False, "plot": False,
+                    "isolate": False, "device": "cpu", "out_dir": str(tmp_path),
+                    "sampling": {"attentions": ["full", "combiner_fixed"], "seq_len": 64, "block_size": 8,
+                                 "batch": 2, "d_model": 16, "n_heads": 2, "recompute_positions": 3,
+                                 "step_lengths": [64], "step_fractions": [0.5, 1.0], "step_repeats": 2}})
+    run_dir = run_benchmark(cfg)
+    rows = read_rows(run_dir / "sampling.csv")
+    assert list(rows[0])[:5] == ["attention", "length", "cached_tokens_per_s", "recompute_tokens_per_s", "speedup"]
+    assert [r["attention"] for r in rows] == ["full", "combiner_fixed"]
+    for row in rows:
+        assert row["status"] == "ok" and row["length"] == "64" and float(row["recompute_tokens_per_s"]) > 0
+        decodes = getattr(ATTENTION_REGISTRY[row["attention"]].cls, "supports_decoding", False)
+        if decodes:
+            assert float(row["cached_tokens_per_s"]) > 0 and row["cached_positions"] == "64"
+            assert math.isclose(float(row["speedup"]), float(row["cached_tokens_per_s"])
+                                / float(row["recompute_tokens_per_s"]), rel_tol=1e-4)
+        else:
+            assert row["cached_tokens_per_s"] == "" and "no decoding state" in row["note"]
+    steps = read_rows(run_dir / "decode_steps.csv")
+    for name in ("full", "combiner_fixed"):
+        mine = [r for r in steps if r["attention"] == name]
+        if getattr(ATTENTION_REGISTRY[name].cls, "supports_decoding", False):
+            assert [int(r["position"]) for r in mine] == [30, 62] and all(float(r["step_ms"]) > 0 for r in mine)
+        else:
+            assert [r["status"] for r in mine] == ["skipped"] and "no decoding state" in mine[0]["note"]
+    assert "### sampling: tokens/s, L=64" in (run_dir / "results.md").read_text()

@@ -322,6 +322,81 @@ def test_gradcheck(cfg, causal):
     assert torch.autograd.gradcheck(attn, (q, k, v), eps=1e-6, atol=1e-6, fast_mode=True)
 
 
+POOLED_CONFIGS = [cfg for cfg in CONFIGS if cfg[0] != "combiner_axial"]
+
+
+@pytest.mark.parametrize("cfg", POOLED_CONFIGS, ids=config_id)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+def test_inference_path_equals_training_path(cfg, causal, padded, monkeypatch):
+    """``no_grad`` takes the inference path of the joint softmax (output divided by the normalizer once, no
+    weights kept for backward); it equals the autograd path and ``attention_matrix @ v`` (fp64)."""
+    import longseq.attention.combiner_mixture as mixture
+
+    name, extra = cfg
+    L, m = 12, 3
+    attn = make(name, causal, m, **extra)
+    pad = padding_cases(L, m) if padded else None
+    q, k, v = random_qkv(B=6, H=H, L=L, D=D, seed=21, requires_grad=True)
+    calls = []
+    original = mixture._JointGroupsAttention.forward
+
+    def spy(ctx, layouts, masks, keep_weights, *tensors):
+        calls.append(keep_weights)
+        return original(ctx, layouts, masks, keep_weights, *tensors)
+
+    monkeypatch.setattr(mixture._JointGroupsAttention, "forward", staticmethod(spy))
+    with torch.no_grad():
+        inference = attn(q, k, v, key_padding_mask=pad)
+    training = attn(q, k, v, key_padding_mask=pad)
+    n_plans = 2 if extra.get("plans") == "average" else 1
+    assert calls == [False] * n_plans + [True] * n_plans
+    assert training.requires_grad and not inference.requires_grad
+    torch.testing.assert_close(inference, training.detach(), atol=1e-12, rtol=0)
+    P = attn.attention_matrix(q.detach(), k.detach(), v.detach(), key_padding_mask=pad)
+    torch.testing.assert_close(inference, P @ v.detach(), atol=1e-10, rtol=0)
+
+
+def test_running_max_inference_scan_equals_cummax():
+    """``summary.running_max`` without autograd (in-place scan) gives exactly ``cummax``'s values, ties and
+    -inf included, along any axis; with autograd it is ``cummax`` (gradients reach the argmax positions)."""
+    from longseq.attention.summary import running_max
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-3, 3, (2, 5, 7, 4), generator=g).double()  # many ties
+    x[0, :, 2] = float("-inf")
+    for dim in range(-4, 4):
+        with torch.no_grad():
+            torch.testing.assert_close(running_max(x, dim), torch.cummax(x, dim).values, atol=0, rtol=0)
+    leaf = x.clone().requires_grad_()
+    running_max(leaf, -2).sum().backward()
+    expected = torch.zeros_like(x).scatter_add_(-2, torch.cummax(x, -2).indices, torch.ones_like(x))
+    torch.testing.assert_close(leaf.grad, expected, atol=0, rtol=0)
+
+
+def test_learned_summary_key_layer_norm_uses_flax_epsilon():
+    """``row_summary=proj``: Linear -> + residual -> LayerNorm(eps=1e-6, flax.linen's default) -> Linear, written
+    out by hand; torch's default eps 1e-5 gives a visibly different key on small-variance inputs."""
+    attn = make("combiner_axial", True, 4)
+    with torch.no_grad():
+        attn.summary_norm.weight.normal_()
+        attn.summary_norm.bias.normal_()
+    g = torch.Generator().manual_seed(5)
+    vbar, k_mate = (0.01 * torch.randn(2, H, 4, 4, D, generator=g, dtype=torch.float64) for _ in range(2))
+
+    def by_hand(eps):
+        flat = lambda x: x.movedim(1, -2).flatten(-2)  # noqa: E731  (B, H, ..., D) -> (B, ..., H*D)
+        hidden = flat(vbar) @ attn.summary_in.weight.T + flat(k_mate)
+        mean, var = hidden.mean(-1, keepdim=True), hidden.var(-1, unbiased=False, keepdim=True)
+        normed = (hidden - mean) / torch.sqrt(var + eps) * attn.summary_norm.weight + attn.summary_norm.bias
+        return (normed @ attn.summary_out.weight.T).unflatten(-1, (H, D)).movedim(-2, 1)
+
+    keys = attn.summary_keys(vbar, k_mate, None).detach()
+    assert attn.summary_norm.eps == 1e-6
+    torch.testing.assert_close(keys, by_hand(1e-6).detach(), atol=1e-12, rtol=0)
+    assert not torch.allclose(keys, by_hand(1e-5).detach(), atol=1e-4, rtol=0)
+
+
 def test_learned_maps_receive_gradients():
     q, k, v = random_qkv(B=1, H=H, L=16, D=D, seed=2)
     for name, extra in [("combiner_axial", {}), ("combiner_mixture", {"summary": "deepsets_max"})]:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longseq.attention.base import Attention, AttentionConfigError, divisors
-from longseq.attention.geometry import cluster_order
+from longseq.attention.geometry import check_block_size, cluster_order
 
 
 def balanced_assignment(scores: torch.Tensor, deferred: torch.Tensor | None = None) -> torch.Tensor:
@@ -213,8 +213,8 @@ class ClusteredAttention(Attention):
         """Reject a non-positive ``attention.n_clusters`` / ``attention.block_size`` (None allowed)."""
         if not isinstance(n_clusters, int) or n_clusters < 1:
             raise AttentionConfigError(f"attention.n_clusters must be a positive integer, got {n_clusters!r}")
-        if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
-            raise AttentionConfigError(f"attention.block_size must be a positive integer or null, got {block_size!r}")
+        if block_size is not None:  # divisibility is checked on lcm(block_size, n_clusters) by the base class
+            check_block_size(block_size)
 
     def requires_len_multiple_of(self) -> int:
         if self.causal and self.block_size is not None:

@@ -15,8 +15,8 @@ positive weight at ``O(L (n + m))`` cost.
 The summary key ``k̄(r', c)`` is chosen by ``row_summary``:
 
 - ``proj`` (default; the official learned key): ``Linear(H*D -> H*D)`` of the flattened ``v̄``, plus
-  a residual, ``LayerNorm``, ``Linear(H*D -> H*D)`` back to heads (no biases, as in JAX). The
-  official residual is the layer input ``x(r', c)``; the attention contract only sees ``q, k, v``,
+  a residual, ``LayerNorm`` (eps 1e-6 as Flax's), ``Linear(H*D -> H*D)`` back to heads (no biases, as in
+  JAX). The official residual is the layer input ``x(r', c)``; the attention contract only sees ``q, k, v``,
   so the row-mate's raw key ``k(r', c)`` (flattened over heads) stands in for it — a documented
   deviation. Needs ``n_heads`` and ``head_dim``.
 - ``none``: the raw key ``k(r', c)`` of the row-mate (TF option).
@@ -43,12 +43,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from longseq.attention.amp import autocast_function
 from longseq.attention.base import Attention, AttentionConfigError
-from longseq.attention.geometry import Grid
+from longseq.attention.geometry import Grid, check_block_size
 from longseq.attention.registry import register_attention
 from longseq.attention.summary import padded_partition
 
 ROW_SUMMARIES = ("proj", "none", "wsum")
+FLAX_LAYER_NORM_EPS = 1e-6  # flax.linen.LayerNorm's default epsilon (the official layer); torch's is 1e-5
 NEG_INF = float("-inf")
 
 
@@ -153,6 +155,7 @@ def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 # Row-major Combiner-Axial.
 # ------------------------------------------------------------------------------------------------
+@autocast_function
 class _RowColumnJointAttention(torch.autograd.Function):
     """Exact joint softmax over own-row keys (row layout) and per-column summaries (column layout).
 
@@ -205,6 +208,7 @@ class _RowColumnJointAttention(torch.autograd.Function):
         return grad_q_row, grad_k_row, grad_v_row, grad_q_col, grad_sk_col, grad_sv_col, None, None
 
 
+@autocast_function
 class _CausalRowColumnFlash(torch.autograd.Function):
     """Causal joint softmax from two fused CPU flash-attention calls merged by their log-sum-exps.
 
@@ -283,9 +287,7 @@ class CombinerAxialRowMajor(Attention):
     """
 
     def __init__(self, *, causal: bool, block_size: int, row_summary: str = "proj", **common) -> None:
-        if int(block_size) < 1:
-            raise AttentionConfigError(f"attention.block_size must be a positive integer, got {block_size}")
-        self.block_size = int(block_size)
+        self.block_size = check_block_size(block_size, common.get("seq_len"))
         super().__init__(causal=causal, **common)
         if row_summary not in ROW_SUMMARIES:
             raise AttentionConfigError(
@@ -301,7 +303,7 @@ class CombinerAxialRowMajor(Attention):
                 )
             width = self.n_heads * self.head_dim
             self.summary_in = nn.Linear(width, width, bias=False)
-            self.summary_norm = nn.LayerNorm(width)
+            self.summary_norm = nn.LayerNorm(width, eps=FLAX_LAYER_NORM_EPS)
             self.summary_out = nn.Linear(width, width, bias=False)
 
     def requires_len_multiple_of(self) -> int:
@@ -322,11 +324,17 @@ class CombinerAxialRowMajor(Attention):
                 f"attention '{self.name}' was built for n_heads*head_dim={self.summary_in.in_features}, "
                 f"got H={H}, D={vbar.shape[-1]}"
             )
-        hidden = self.summary_in(merge_heads(vbar))
-        hidden = nn.functional.dropout(hidden, self.dropout, self.training)
+        # The learned maps run in the inputs' dtype (parameters cast, as in linformer / synthesizer), so bf16
+        # q, k, v work with fp32 parameters outside autocast too (e.g. attention_matrix on captured tensors).
+        x = merge_heads(vbar)
+        hidden = F.linear(x, self.summary_in.weight.to(x.dtype))
+        hidden = F.dropout(hidden, self.dropout, self.training)
         # Official residual is the layer input x(r', c); only q, k, v reach us, so k(r', c) stands in.
-        hidden = self.summary_norm(hidden + merge_heads(k_mate))
-        return split_heads(self.summary_out(hidden), H)
+        hidden = hidden + merge_heads(k_mate)
+        norm = self.summary_norm
+        hidden = F.layer_norm(hidden, norm.normalized_shape, norm.weight.to(hidden.dtype), norm.bias.to(hidden.dtype),
+                              norm.eps)
+        return split_heads(F.linear(hidden, self.summary_out.weight.to(hidden.dtype)), H)
 
     # Key padding (LRA): padded keys get no direct weight and are left out of every row summary's inner
     # softmax. A row's summary for column c is made by its row-mate (r', c); where that row-mate is padding,

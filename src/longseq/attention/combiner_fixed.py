@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from longseq.attention.base import Attention, AttentionConfigError
-from longseq.attention.geometry import Grid
+from longseq.attention.base import Attention
+from longseq.attention.geometry import Grid, check_block_size
 from longseq.attention.registry import register_attention
 from longseq.attention.summary import RegionSummary, effective_attention_matrix, padded_partition
 
@@ -49,9 +49,7 @@ class CombinerFixedAttention(Attention):
         head_dim: int | None = None,
         dropout: float = 0.0,
     ) -> None:
-        if not isinstance(block_size, int) or block_size < 1:
-            raise AttentionConfigError(f"attention.block_size must be a positive integer, got {block_size!r}")
-        self.block_size = block_size
+        self.block_size = check_block_size(block_size, seq_len)
         super().__init__(causal=causal, seq_len=seq_len, n_heads=n_heads, head_dim=head_dim, dropout=dropout)
         self.summary = RegionSummary(summary, head_dim)
         self.has_parameters = self.summary.has_parameters

@@ -47,9 +47,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from longseq.attention.amp import autocast_function
 from longseq.attention.base import Attention, AttentionConfigError
 from longseq.attention.combiner_axial import NEG_INF, RegionPartition, effective_matrix, to_grid
-from longseq.attention.geometry import Grid
+from longseq.attention.geometry import Grid, check_block_size
 from longseq.attention.registry import register_attention
 from longseq.attention.summary import RegionSummary
 
@@ -96,6 +97,7 @@ class LogitGroup:
         return (weights.transpose(2, 3).contiguous() @ self.values).transpose(2, 3)
 
 
+@autocast_function
 class _JointGroupsAttention(torch.autograd.Function):
     """Exact joint softmax over several ``LogitGroup``s, each kept in its own layout.
 
@@ -104,12 +106,16 @@ class _JointGroupsAttention(torch.autograd.Function):
     are exponentiated in place and every bmm operand is contiguous or a last-two-axes transpose.
 
     Args: ``layouts`` (tuple of "row"/"col"), ``masks`` (allowed masks or None, per group),
-    ``q_row`` ``(B, H, n, m, D)``, ``q_col`` ``(B, H, m, n, D)`` (scaled), then ``k_0, v_0, k_1, ...``.
-    Output ``(B, H, n, m, Dv)`` (row layout).
+    ``keep_weights`` (False for inference: nothing will call backward), ``q_row`` ``(B, H, n, m, D)``,
+    ``q_col`` ``(B, H, m, n, D)`` (scaled), then ``k_0, v_0, k_1, ...``. Output ``(B, H, n, m, Dv)`` (row layout).
+
+    Inference (``keep_weights=False``) applies the unnormalized ``exp(s - M)`` and divides the
+    ``(n, m, Dv)`` output by ``Z`` once, instead of normalizing every ``(n, m, w)`` weight block that only
+    backward needs; nothing is saved.
     """
 
     @staticmethod
-    def forward(ctx, layouts, masks, q_row, q_col, *keys_values):
+    def forward(ctx, layouts, masks, keep_weights, q_row, q_col, *keys_values):
         weights, top = [], None
         for layout, mask, keys in zip(layouts, masks, keys_values[0::2]):
             logits = (q_row if layout == "row" else q_col) @ keys.transpose(-1, -2)
@@ -126,9 +132,12 @@ class _JointGroupsAttention(torch.autograd.Function):
         inv_total = total.reciprocal_()
         out = None
         for layout, w, values in zip(layouts, weights, keys_values[1::2]):
-            w.mul_((inv_total if layout == "row" else inv_total.transpose(-1, -2)).unsqueeze(-1))
+            if keep_weights:
+                w.mul_((inv_total if layout == "row" else inv_total.transpose(-1, -2)).unsqueeze(-1))
             part = w @ values if layout == "row" else (w @ values).transpose(2, 3)
             out = part.clone(memory_format=torch.contiguous_format) if out is None else out.add_(part)
+        if not keep_weights:
+            return out.mul_(inv_total.unsqueeze(-1))
         ctx.layouts = layouts
         ctx.save_for_backward(q_row, q_col, out, *keys_values, *weights)
         return out
@@ -151,7 +160,7 @@ class _JointGroupsAttention(torch.autograd.Function):
             part = grad_logits @ keys
             grad_q[layout] = part if grad_q[layout] is None else grad_q[layout].add_(part)
             grad_kv += [grad_logits.transpose(-1, -2) @ (q_row if layout == "row" else q_col), grad_values]
-        return None, None, grad_q["row"], grad_q["col"], *grad_kv
+        return None, None, None, grad_q["row"], grad_q["col"], *grad_kv
 
 
 def with_padding_fallback(groups: list[LogitGroup]) -> list[LogitGroup]:
@@ -172,9 +181,15 @@ def with_padding_fallback(groups: list[LogitGroup]) -> list[LogitGroup]:
 
 
 def joint_groups_attention(groups: list[LogitGroup], q_row: torch.Tensor, q_col: torch.Tensor) -> torch.Tensor:
-    """Dropout-free joint softmax over ``groups`` -> ``(B, H, n, m, Dv)``; q_row/q_col scaled, see ``LogitGroup``."""
+    """Dropout-free joint softmax over ``groups`` -> ``(B, H, n, m, Dv)``; q_row/q_col scaled, see ``LogitGroup``.
+
+    Without autograd (``torch.no_grad``/``inference_mode``, or no input that requires grad) it takes the
+    inference path of ``_JointGroupsAttention`` (the same result, without the backward's bookkeeping).
+    """
     layouts, masks = tuple(g.layout for g in groups), tuple(g.mask for g in groups)
-    return _JointGroupsAttention.apply(layouts, masks, q_row, q_col, *[x for g in groups for x in (g.keys, g.values)])
+    tensors = [q_row, q_col, *[x for g in groups for x in (g.keys, g.values)]]
+    keep_weights = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return _JointGroupsAttention.apply(layouts, masks, keep_weights, *tensors)
 
 
 class PooledAxialAttention(Attention):
@@ -195,9 +210,7 @@ class PooledAxialAttention(Attention):
     supports_padding_mask = True
 
     def __init__(self, *, causal: bool, block_size: int, summary: str = "max", **common) -> None:
-        if int(block_size) < 1:
-            raise AttentionConfigError(f"attention.block_size must be a positive integer, got {block_size}")
-        self.block_size = int(block_size)
+        self.block_size = check_block_size(block_size, common.get("seq_len"))
         super().__init__(causal=causal, **common)
         self.summary_kind = summary
         self.summary = RegionSummary(summary, self.head_dim)
@@ -230,10 +243,11 @@ class PooledAxialAttention(Attention):
     def running_pool(self, x: torch.Tensor, prefix) -> torch.Tensor:
         """Inclusive running pool of ``x`` ``(..., T, D)`` along axis -2 (``prefix`` of ``RegionSummary``).
 
-        Plain max runs its scan on a contiguous last axis: CPU ``cummax`` along a strided axis is
-        about 3x slower. (Feature maps act on D, so the other kinds scan in place.)
+        Plain max with autograd runs its ``cummax`` on a contiguous last axis: CPU ``cummax`` along a strided
+        axis is about 3x slower. Without autograd ``summary.running_max`` scans axis -2 in place (no index
+        tensor, no transposed copy). (Feature maps act on D, so the other kinds scan in place.)
         """
-        if self.summary_kind == "max":
+        if self.summary_kind == "max" and torch.is_grad_enabled() and x.requires_grad:
             return prefix(x.transpose(-1, -2).contiguous(), -1).transpose(-1, -2)
         return prefix(x, -2)
 

@@ -57,10 +57,13 @@ class FNetMixing(Attention):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B, H, L, D = v.shape
         norm = "ortho" if self.norm == "ortho" else "backward"
+        dtype = v.dtype
+        if dtype in (torch.bfloat16, torch.float16):  # CPU FFTs take fp32/fp64 only: transform in fp32
+            v = v.float()
         if not self.hidden_fft:
-            return torch.fft.fft(v, dim=2, norm=norm).real
+            return torch.fft.fft(v, dim=2, norm=norm).real.to(dtype)
         x = v.transpose(1, 2).reshape(B, L, H * D)
-        y = torch.fft.fft2(x, dim=(1, 2), norm=norm).real
+        y = torch.fft.fft2(x, dim=(1, 2), norm=norm).real.to(dtype)
         return y.view(B, L, H, D).transpose(1, 2)
 
     def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ pure index arithmetic so that fast implementations, dense reference masks and te
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -29,11 +30,7 @@ class Grid:
     @classmethod
     def of(cls, length: int, block_size: int, key: str = "attention.block_size") -> Grid:
         """Grid with ``block_size`` columns; raises naming ``key`` when it does not tile ``length``."""
-        if block_size < 1 or length % block_size:
-            raise AttentionConfigError(
-                f"{key}={block_size} does not tile sequence length {length}; valid values: "
-                f"{divisors(length)}"
-            )
+        block_size = check_block_size(block_size, length, key)
         return cls(length // block_size, block_size)
 
     def rows(self, device: torch.device | None = None) -> torch.Tensor:
@@ -43,6 +40,20 @@ class Grid:
     def cols(self, device: torch.device | None = None) -> torch.Tensor:
         """(L,) column index of every position."""
         return torch.arange(self.length, device=device) % self.n_cols
+
+
+def check_block_size(block_size, length: int | None = None, key: str = "attention.block_size") -> int:
+    """The one validation of a block size (a grid's row length m, a segment or block length), shared by every
+    variant that has one: a positive integer (``bool`` and non-integers such as 4.7 or 4.0 rejected, never
+    floored) that divides ``length`` when the sequence length is known. Returns it as ``int``; raises
+    ``AttentionConfigError`` naming ``key`` and the valid values.
+    """
+    valid = "valid values: " + (str(divisors(length)) if length else "positive integers dividing the sequence length")
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1:
+        raise AttentionConfigError(f"{key}={block_size!r} is not a positive integer; {valid}")
+    if length is not None and length % block_size:
+        raise AttentionConfigError(f"{key}={block_size} does not tile sequence length {length}; {valid}")
+    return int(block_size)
 
 
 def causal_mask(length: int, device: torch.device | None = None) -> torch.Tensor:

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
+from longseq.attention.amp import autocast_function
 from longseq.attention.geometry import num_log_levels
 
 NEG_INF = float("-inf")
@@ -114,6 +115,7 @@ def level_mix_transposed(w: torch.Tensor, a: torch.Tensor, with_self: bool,
     return out, grads
 
 
+@autocast_function
 class LevelScores(torch.autograd.Function):
     """``level_scores`` with fill -inf (attention logits), differentiable in ``a``, ``x`` and the summaries.
 
@@ -134,6 +136,7 @@ class LevelScores(torch.autograd.Function):
         return level_mix(grad, x, ctx.with_self, summaries), grad_x, None, *grad_summaries[: len(ctx.present)]
 
 
+@autocast_function
 class LevelMix(torch.autograd.Function):
     """``level_mix`` differentiable in the weights, ``x`` and the summaries; ``apply(w, x, with_self, *summaries)``."""
 

@@ -5,16 +5,21 @@ Shared by ``performer`` and ``linear``. With features ``phi_q``, ``phi_k`` ``(B,
 over the allowed keys (all keys, or ``j <= i`` when causal).
 
 The normalizer rides along as an extra all-ones value column, so numerator and denominator come out of
-the same matmuls. Causal attention uses a chunked prefix sum: inside a chunk of C positions the masked
-``(C, C)`` kernel block is applied directly; across chunks only one running state ``sum_j phi_k_j v_j^T``
-``(F, D+1)`` per chunk is kept (exclusive cumulative sum over chunks). Memory is
-``O(L (C + F + D) + L/C * F * D)``; the ``(B, H, L, F, D)`` tensor of a naive cumulative sum never exists.
+the same matmuls. Causal attention is chunked: inside a chunk of C positions the masked ``(C, C)`` kernel
+block is applied directly (one batched GEMM over all chunks); across chunks ONE running state
+``S = sum_j phi_k_j v_j^T`` ``(F, D+1)`` is carried from chunk to chunk (``_EarlierChunks``: a loop over the
+L / C chunks, two ``(C, F) x (F, D+1)``-shaped GEMMs per chunk, hand-written backward that re-runs the
+recurrence forwards and backwards). Memory is ``O(L (C + F + D) + F * D)``: neither the ``(B, H, L, F, D)``
+tensor of a naive cumulative sum nor the ``(L / C, F, D)`` per-chunk prefix states exist (their cumulative
+sum over chunks and its backward were the slowest part of the previous version on CPU).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from longseq.attention.amp import autocast_function
 
 
 def _with_ones(v: torch.Tensor) -> torch.Tensor:
@@ -43,11 +48,75 @@ def kernel_attention(
     return out[..., :-1] / out[..., -1:]
 
 
+@autocast_function
+class _EarlierChunks(torch.autograd.Function):
+    """Contribution of all earlier chunks: ``out[c] = fq[c] @ S_c`` with ``S_c = sum_{j < c} fk[j]^T vals[j]``.
+
+    ``fq``, ``fk`` ``(N, n, C, F)``, ``vals`` ``(N, n, C, E)`` (N = batch x heads, n chunks of C) ->
+    ``(N, n, C, E)``. One running state ``(N, F, E)``, updated in place (``baddbmm``); each chunk's product is
+    written straight into a chunk-major buffer, so a chunk costs two GEMM calls forward and five backward.
+    Half-precision inputs run in fp32 (a running sum over L positions). Backward:
+    ``d fq[c] = dout[c] @ S_c^T`` (states re-run forwards) and, with ``dS_c = sum_{c' > c} fq[c']^T dout[c']``
+    run backwards, ``d fk[c] = vals[c] @ dS_c^T``, ``d vals[c] = fk[c] @ dS_c``. Nothing of size
+    ``n * F * E`` is ever stored.
+    """
+
+    @staticmethod
+    def forward(ctx, fq, fk, vals):
+        ctx.save_for_backward(fq, fk, vals)
+        dtype = vals.dtype
+        fq, fk, vals = (x.to(_accumulator(x.dtype)) for x in (fq, fk, vals))
+        out = vals.new_empty(vals.shape[1], vals.shape[0], *vals.shape[2:])  # chunk-major (n, N, C, E)
+        out[0] = 0
+        for c, state in _running_states(fk, vals):
+            torch.bmm(fq[:, c], state, out=out[c])
+        return out.transpose(0, 1).to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = ctx.saved_tensors
+        fq, fk, vals = (x.to(_accumulator(x.dtype)) for x in saved)
+        grad_out = grad_out.to(vals.dtype)
+        N, n, C, _ = fq.shape
+        grad_fq = grad_fk = grad_vals = None
+        if ctx.needs_input_grad[0]:
+            grad_fq = fq.new_empty(n, N, C, fq.shape[-1])
+            grad_fq[0] = 0
+            for c, state in _running_states(fk, vals):
+                torch.bmm(grad_out[:, c], state.transpose(-1, -2), out=grad_fq[c])
+            grad_fq = grad_fq.transpose(0, 1).to(saved[0].dtype)
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            grad_fk, grad_vals = fk.new_empty(n, N, C, fk.shape[-1]), vals.new_empty(n, N, C, vals.shape[-1])
+            grad_fk[n - 1], grad_vals[n - 1] = 0, 0  # the last chunk feeds no later state
+            grad_state = fq.new_zeros(N, fq.shape[-1], vals.shape[-1])  # sum over later chunks of fq^T dout
+            for c in range(n - 2, -1, -1):
+                grad_state.baddbmm_(fq[:, c + 1].transpose(-1, -2), grad_out[:, c + 1])
+                torch.bmm(vals[:, c], grad_state.transpose(-1, -2), out=grad_fk[c])
+                torch.bmm(fk[:, c], grad_state, out=grad_vals[c])
+            grad_fk, grad_vals = grad_fk.transpose(0, 1).to(saved[1].dtype), grad_vals.transpose(0, 1).to(saved[2].dtype)
+        return grad_fq, grad_fk, grad_vals
+
+
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half-precision inputs (a running sum over L positions), else the input dtype."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _running_states(fk: torch.Tensor, vals: torch.Tensor):
+    """Yield ``(c, S_c)`` for chunks ``c = 1 .. n-1``, ``S_c = sum_{j < c} fk[j]^T vals[j]`` ``(N, F, E)``: ONE
+    buffer updated in place, valid until the next step."""
+    N, n, _, n_features = fk.shape
+    state = fk.new_zeros(N, n_features, vals.shape[-1])
+    for c in range(1, n):
+        state.baddbmm_(fk[:, c - 1].transpose(-1, -2), vals[:, c - 1])
+        yield c, state
+
+
 def causal_kernel_attention(
     phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, chunk_size: int = 64, query_shift: float = 0.0,
     key_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal normalized kernel attention through chunked prefix sums (see the module docstring).
+    """Causal normalized kernel attention, chunked (see the module docstring).
 
     phi_q, phi_k: ``(B, H, L, F)`` positive features; v: ``(B, H, L, D)`` -> ``(B, H, L, D)``.
     ``query_shift``, ``key_scale``: as in ``kernel_attention``.
@@ -62,18 +131,19 @@ def causal_kernel_attention(
     if pad:
         phi_q, phi_k, values = (F.pad(x, (0, 0, 0, pad)) for x in (phi_q, phi_k, values))
     n = (L + pad) // C
-    fq, fk, vals = (x.view(B, H, n, C, x.shape[-1]) for x in (phi_q, phi_k, values))
-    # earlier chunks: exclusive prefix sum of the per-chunk states (B, H, n, F, D+1)
-    chunk_states = fk.transpose(-1, -2) @ vals
-    before = chunk_states.cumsum(2) - chunk_states
-    out = fq @ before
-    # own chunk: masked (C, C) kernel block, keys up to and including the query
-    within = fq @ fk.transpose(-1, -2)
+    fq, fk, vals = (x.reshape(B * H, n, C, x.shape[-1]) for x in (phi_q, phi_k, values))
+    # own chunk: masked (C, C) kernel block, keys up to and including the query (the key scale rides on vals)
+    # (in-place ops below act on fresh matmul outputs, which no backward needs)
+    within = fq @ fk.transpose(-1, -2)  # (B*H, n, C, C)
+    key_sums = fk.sum(-1, keepdim=True) if query_shift else None  # (B*H, n, C, 1): the shift's kernel term
     if query_shift:
-        out = out + query_shift * before.sum(-2, keepdim=True)
-        within = within + query_shift * fk.sum(-1).unsqueeze(-2)
-    within = within.tril()  # the key scale rides on vals
-    out = out + within @ vals
+        within += query_shift * key_sums.transpose(-1, -2)
+    out = within.tril_() @ vals
+    if n > 1:  # earlier chunks: one running (F, D+1) state
+        out += _EarlierChunks.apply(fq, fk, vals)
+        if query_shift:  # shift * sum_f S_c: exclusive prefix over chunks of the small (n, D+1) key-sum rows
+            per_chunk = (key_sums * vals).sum(-2)  # (B*H, n, D+1)
+            out += query_shift * (per_chunk.cumsum(1) - per_chunk).unsqueeze(-2)
     out = out.view(B, H, n * C, -1)[:, :, :L]
     return out[..., :-1] / out[..., -1:]
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from longseq.attention.base import Attention, AttentionConfigError
+from longseq.attention.geometry import check_block_size
 from longseq.attention.registry import register_attention
 
 
@@ -40,13 +41,11 @@ class SinkhornAttention(Attention):
     def __init__(
         self, *, causal: bool, block_size: int = 64, sinkhorn_iters: int = 5, temperature: float = 0.75, **common
     ) -> None:
-        if not isinstance(block_size, int) or block_size < 1:
-            raise AttentionConfigError(f"attention.block_size must be a positive integer, got {block_size!r}")
         if not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 0:
             raise AttentionConfigError(f"attention.sinkhorn_iters must be an integer >= 0, got {sinkhorn_iters!r}")
         if not temperature > 0:
             raise AttentionConfigError(f"attention.temperature must be > 0, got {temperature!r}")
-        self.block_size = block_size
+        self.block_size = check_block_size(block_size, common.get("seq_len"))
         super().__init__(causal=causal, **common)
         self.sinkhorn_iters, self.temperature = sinkhorn_iters, float(temperature)
 

@@ -26,10 +26,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from longseq.attention.amp import autocast_function
 from longseq.attention.base import Attention, AttentionConfigError, append_padding_channel
 from longseq.attention.combiner_axial import causal_row_column_flash, flash_row_column_applies
 from longseq.attention.combiner_mixture import LogitGroup, joint_groups_attention
-from longseq.attention.geometry import Grid, logsparse_keys, num_log_levels
+from longseq.attention.geometry import Grid, check_block_size, logsparse_keys, num_log_levels
 from longseq.attention.log_levels import LevelMix, LevelScores
 from longseq.attention.registry import register_attention
 
@@ -167,6 +168,7 @@ def joint_softmax(attn: SparseAttention, logit_parts: list[torch.Tensor]) -> lis
     return [w.contiguous() for w in weights.split(widths, -1)]
 
 
+@autocast_function
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the incoming gradient contiguous.
 
@@ -338,7 +340,7 @@ class FixedAttention(SparseAttention):
     """
 
     def __init__(self, *, causal: bool, block_size: int = 8, summary_cells: int = 1, **base) -> None:
-        self.block_size = check_positive(block_size, "attention.block_size")
+        self.block_size = check_block_size(block_size, base.get("seq_len"))
         self.summary_cells = check_positive(summary_cells, "attention.summary_cells")
         if summary_cells > block_size:
             raise AttentionConfigError(
@@ -393,7 +395,7 @@ class AxialAttention(SparseAttention):
     """
 
     def __init__(self, *, causal: bool, block_size: int = 8, **base) -> None:
-        self.block_size = check_positive(block_size, "attention.block_size")
+        self.block_size = check_block_size(block_size, base.get("seq_len"))
         super().__init__(causal=causal, **base)
 
     def requires_len_multiple_of(self) -> int:
@@ -446,7 +448,7 @@ class StridedAttention(SparseAttention):
     """
 
     def __init__(self, *, causal: bool, block_size: int = 8, **base) -> None:
-        self.block_size = check_positive(block_size, "attention.block_size")
+        self.block_size = check_block_size(block_size, base.get("seq_len"))
         super().__init__(causal=causal, **base)
 
     def requires_len_multiple_of(self) -> int:
@@ -605,7 +607,7 @@ class BigBirdAttention(SparseAttention):
     def __init__(
         self, *, causal: bool, block_size: int = 8, global_blocks: int = 2, random_blocks: int = 3, seed: int = 0, **base
     ) -> None:
-        self.block_size = check_positive(block_size, "attention.block_size")
+        self.block_size = check_block_size(block_size, base.get("seq_len"))
         self.global_blocks = check_positive(global_blocks, "attention.global_blocks", minimum=0)
         self.random_blocks = check_positive(random_blocks, "attention.random_blocks", minimum=0)
         self.seed = int(seed)
