@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 ARGS    ?=
 
-.PHONY: help install train test test-slow bench data-lra lint clean clean-logs
+.PHONY: help install train test test-slow bench data-lra lint clean clean-logs notebooks
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -31,6 +31,9 @@ bench: $(STAMP)  ## attention speed/memory benchmark (logs/bench/<timestamp>/)
 data-lra: $(STAMP)  ## generate ListOps + Pathfinder-32 locally into data/lra (seeded; NOT the released LRA splits)
 	$(PY) -m longseq.data.lra.prepare --root data/lra --workers 2
 	$(PY) -m longseq.data.lra.prepare --root data/lra_listops_smoke --only listops --listops-sizes 20000 1000 1000 --listops-max-depth 4 --listops-min-length 20 --listops-max-length 200
+
+notebooks: $(STAMP)  ## execute notebooks/*.ipynb top to bottom; executed copies in logs/notebooks/ (stored ones stay clean)
+	$(PY) -m longseq.report.notebooks $(ARGS)
 
 lint: $(STAMP)  ## ruff (installed on demand)
 	$(PY) -m pip install --quiet ruff==0.17.*

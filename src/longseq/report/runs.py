@@ -1,0 +1,130 @@
+"""Find the run directories of a multirun (or single runs) and read what each one recorded.
+
+A run directory is any folder holding ``.hydra/overrides.yaml`` (Hydra writes it when the job starts). From
+it the report reads the overrides, the resolved config (``config_resolved.yaml``, written by the runner
+before training; ``.hydra/config.yaml`` as a fallback) and the outcome (``metrics.json``, see
+:mod:`longseq.report.outcome`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from omegaconf import DictConfig, OmegaConf
+
+from longseq.report.outcome import COMPLETED, METRICS_FILE, UNFINISHED
+
+RESOLVED_CONFIG = "config_resolved.yaml"  # the name longseq.runner writes (kept in one place there too)
+
+
+@dataclass
+class RunRecord:
+    """What one run directory says about itself."""
+
+    path: Path
+    overrides: dict[str, str]
+    config: DictConfig | None
+    status: str = UNFINISHED
+    metrics: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    def value(self, key: str) -> str:
+        """The run's value of ``key``: its command-line override, else the resolved config's entry, else ''."""
+        if key in self.overrides:
+            return self.overrides[key]
+        if self.config is not None:
+            try:
+                found = OmegaConf.select(self.config, key, default=None, throw_on_missing=False)
+            except Exception:  # an unresolvable interpolation in .hydra/config.yaml (no resolved copy)
+                found = None
+            if found is not None:
+                return str(OmegaConf.to_container(found, resolve=False)) if isinstance(found, DictConfig) else str(found)
+        return ""
+
+
+def natural_key(path: Path) -> list[Any]:
+    """Sort key that puts job ``10`` after job ``9``."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(path))]
+
+
+def is_run_dir(path: Path) -> bool:
+    """A Hydra job directory, or a run directory made without Hydra's files (``train(cfg)`` from Python)."""
+    return (path / ".hydra" / "overrides.yaml").is_file() or (path / RESOLVED_CONFIG).is_file()
+
+
+def find_run_dirs(paths: list[str | Path]) -> list[Path]:
+    """Every run directory in ``paths``: a path that is a run itself, or the Hydra jobs anywhere below it.
+
+    Raises ``FileNotFoundError`` naming a path that does not exist or holds no run.
+    """
+    found: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no such directory (pass a multirun directory or run directories)")
+        if is_run_dir(path):
+            runs = [path]
+        else:
+            runs = sorted((p.parent.parent for p in path.rglob(".hydra/overrides.yaml")), key=natural_key)
+        if not runs:
+            raise FileNotFoundError(f"{path}: no run directory below it (none holds .hydra/overrides.yaml)")
+        found += [run for run in runs if run not in found]
+    return found
+
+
+def parse_overrides(lines: list[str]) -> dict[str, str]:
+    """``["attention=sparse", "+x=1", "~y"]`` -> ``{"attention": "sparse", "x": "1"}`` (deletions skipped)."""
+    parsed = {}
+    for line in lines:
+        key, sep, value = str(line).partition("=")
+        if sep and not key.startswith("~"):
+            parsed[key.lstrip("+")] = value
+    return parsed
+
+
+def load_run(path: Path) -> RunRecord:
+    """Read one run directory (any file may be missing: a job that died early still gets a record)."""
+    overrides_file = path / ".hydra" / "overrides.yaml"
+    overrides = parse_overrides(list(OmegaConf.load(overrides_file) or [])) if overrides_file.is_file() else {}
+    config = None
+    for candidate in (path / RESOLVED_CONFIG, path / ".hydra" / "config.yaml"):
+        if candidate.is_file():
+            config = OmegaConf.load(candidate)
+            break
+    record = RunRecord(path=path, overrides=overrides, config=config)
+    outcome = path / METRICS_FILE
+    if outcome.is_file():
+        try:
+            data = json.loads(outcome.read_text())
+        except json.JSONDecodeError as error:
+            record.error = f"{outcome}: unreadable ({error})"
+            return record
+        record.status = data.get("status", COMPLETED)
+        record.metrics = dict(data.get("metrics") or {})
+        record.error = data.get("error")
+    return record
+
+
+def load_runs(paths: list[str | Path]) -> list[RunRecord]:
+    """Records of every run directory in ``paths`` (see :func:`find_run_dirs`)."""
+    return [load_run(path) for path in find_run_dirs(paths)]
+
+
+def learning_curves(run: RunRecord, column: str) -> pd.DataFrame:
+    """``step`` and ``column`` from the run's CSV logger files (``<run>/**/metrics.csv``; resumed parts appended).
+
+    Empty when the run logged no CSV (``logger=none``) or never logged ``column``.
+    """
+    frames = []
+    for csv in sorted(run.path.rglob("metrics.csv"), key=natural_key):
+        frame = pd.read_csv(csv)
+        if column in frame and "step" in frame:
+            frames.append(frame[["step", column]].dropna())
+    if not frames:
+        return pd.DataFrame(columns=["step", column])
+    return pd.concat(frames).drop_duplicates("step", keep="last").sort_values("step").reset_index(drop=True)

@@ -1,0 +1,80 @@
+"""notebooks/*.ipynb: stored without outputs, and each one executes top to bottom at small settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from test_report import VALUES, fake_job
+
+from longseq.report.notebooks import execute_notebook
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+NAMES = ["attention_patterns", "benchmark", "results", "samples"]
+
+
+def execute(name: str, parameters: str) -> nbformat.NotebookNode:
+    return execute_notebook(NOTEBOOKS / f"{name}.ipynb", parameters, timeout=300)
+
+
+def text_of(book: nbformat.NotebookNode) -> str:
+    parts = []
+    for cell in book.cells:
+        for output in cell.get("outputs", []):
+            parts.append(output.get("text", ""))
+            parts += [str(v) for k, v in output.get("data", {}).items() if k.startswith("text/")]
+    return "\n".join(parts)
+
+
+def images_of(book: nbformat.NotebookNode) -> int:
+    return sum("image/png" in output.get("data", {}) for cell in book.cells for output in cell.get("outputs", []))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_stored_notebooks_have_no_outputs(name: str) -> None:
+    book = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+    nbformat.validate(book)
+    code = [cell for cell in book.cells if cell.cell_type == "code"]
+    assert code and all(not cell.outputs and cell.execution_count is None for cell in code)
+    assert sum("parameters" in cell.metadata.get("tags", []) for cell in code) == 1
+
+
+def test_attention_patterns_notebook_proves_full_support() -> None:
+    book = execute("attention_patterns", "seq_len = 16\nblock_size = 4\nn_clusters = 2")
+    text = text_of(book)
+    assert "full support for every Combiner variant: True" in text
+    assert "combiner_axial_horizontal" in text and "combiner_routing" in text
+    assert images_of(book) == 1
+
+
+def test_benchmark_notebook_plots_ratios() -> None:
+    csv = ROOT / "docs" / "bench_cpu_fwd_bwd.csv"
+    book = execute("benchmark", f"results_csv = {str(csv)!r}\nattentions = ['full', 'fixed', 'combiner_fixed']")
+    text = text_of(book)
+    assert "combiner_fixed" in text and "16384" in text
+    assert images_of(book) == 1
+
+
+def test_results_notebook_aggregates_a_multirun(tmp_path: Path) -> None:
+    root = tmp_path / "multirun"
+    for job, ((attention, seed), value) in enumerate(VALUES.items()):
+        run = fake_job(root / str(job), attention, seed, "completed", value)
+        (run / "csv").mkdir()
+        (run / "csv" / "metrics.csv").write_text(
+            f"epoch,step,val/bpd\n0,10,{value + 0.5:.2f}\n1,20,{value + 0.01:.2f}\n")
+    fake_job(root / "6", "full", 4, "failed", error="RuntimeError: injected fault")
+    book = execute("results", f"multirun_dir = {str(root)!r}")
+    text = text_of(book)
+    assert "1.9500 ± 0.0500" in text and "injected fault" in text
+    assert images_of(book) == 1
+
+
+def test_samples_notebook_completes_images(make_cfg, tmp_path: Path) -> None:
+    from longseq.runner import train
+
+    metrics = train(make_cfg(["callbacks.samples.n_samples=0", "callbacks.attention_maps.enabled=false"]))
+    book = execute("samples", f"ckpt_path = {metrics['ckpt_path']!r}\nn_samples = 2\nn_completions = 2")
+    assert "attention full" in text_of(book)
+    assert images_of(book) == 4  # samples, test images, given halves, completions

@@ -1,0 +1,132 @@
+"""longseq.report: metrics.json written by every run, and mean ± std over seeds from a multirun directory."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from longseq.report import write_run_metrics
+from longseq.report.__main__ import main as report_main
+from longseq.report.runs import learning_curves, load_runs
+from longseq.report.table import aggregate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# test/bpd per (attention, seed) of the fabricated sweep
+VALUES = {("full", 1): 2.10, ("full", 2): 2.20, ("full", 3): 2.60,
+          ("combiner_fixed", 1): 1.90, ("combiner_fixed", 2): 1.95, ("combiner_fixed", 3): 2.00}
+
+
+def fake_job(job_dir: Path, attention: str, seed: int, status: str | None, value: float | None = None,
+             error: str | None = None) -> Path:
+    """A Hydra multirun job directory as train.py leaves it: .hydra/overrides.yaml, config_resolved.yaml,
+    and (unless ``status`` is None: still running / killed) metrics.json."""
+    (job_dir / ".hydra").mkdir(parents=True)
+    overrides = ["experiment=digits/default", f"attention={attention}", f"seed={seed}"]
+    (job_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    config = {"seed": seed, "attention": {"name": attention, "block_size": 8},
+              "task": {"name": "digits", "monitor": "val/bpd", "mode": "min"}}
+    (job_dir / "config_resolved.yaml").write_text(yaml.safe_dump(config))
+    if status is not None:
+        metrics = {"val/bpd": value + 0.01, "test/bpd": value} if value is not None else {}
+        write_run_metrics(job_dir, metrics, status, error=error)
+    return job_dir
+
+
+@pytest.fixture
+def multirun(tmp_path: Path) -> Path:
+    """Three seeds x two attentions completed, one failed job, one unfinished job."""
+    root = tmp_path / "multiruns" / "2026-01-01_00-00-00"
+    job = 0
+    for (attention, seed), value in VALUES.items():
+        fake_job(root / str(job), attention, seed, "completed", value)
+        job += 1
+    fake_job(root / str(job), "combiner_fixed", 4, "failed", error="RuntimeError: injected fault\nat step 3")
+    fake_job(root / str(job + 1), "full", 4, None)
+    (root / "multirun.yaml").write_text("hydra: {}\n")
+    return root
+
+
+def test_aggregate_means_stds_and_left_out(multirun: Path) -> None:
+    report = aggregate(load_runs([multirun]))
+    assert report.metric == "test/bpd" and report.by == ["attention"] and report.mode == "min"
+    table = report.table.set_index("attention")
+    assert list(table.index) == ["combiner_fixed", "full"]  # best (lowest) mean first
+    for attention in ("full", "combiner_fixed"):
+        values = [VALUES[attention, s] for s in (1, 2, 3)]
+        assert table.loc[attention, "mean"] == pytest.approx(statistics.mean(values))
+        assert table.loc[attention, "std"] == pytest.approx(statistics.stdev(values))  # sample std (ddof 1)
+        assert table.loc[attention, "n"] == 3
+        assert table.loc[attention, "best"] == pytest.approx(min(values))
+        assert table.loc[attention, "seeds"] == "1,2,3"
+    left = report.left_out.set_index("status")
+    assert sorted(left.index) == ["failed", "unfinished"]
+    assert left.loc["failed", "reason"] == "RuntimeError: injected fault\nat step 3"
+    assert "seed=4" in left.loc["failed", "overrides"] and "attention=combiner_fixed" in left.loc["failed", "overrides"]
+    assert Path(left.loc["unfinished", "run"]).name == "7"
+    assert "no metrics.json" in left.loc["unfinished", "reason"]
+
+
+def test_cli_writes_csv_and_markdown_listing_failures(multirun: Path, capsys) -> None:
+    assert report_main([str(multirun), "--metric", "test/bpd"]) == 0
+    printed = capsys.readouterr().out
+    csv = pd.read_csv(multirun / "report.csv")
+    assert list(csv["attention"]) == ["combiner_fixed", "full"]
+    assert csv["mean"].tolist() == pytest.approx([1.95, statistics.mean([2.1, 2.2, 2.6])])
+    markdown = (multirun / "report.md").read_text()
+    assert "| combiner_fixed | 1.9500 ± 0.0500 | 3 | 1.9000 | 1,2,3 |" in markdown
+    assert "Not in the table (2 run(s))" in markdown
+    assert "| 6 | failed |" in markdown and "| RuntimeError: injected fault at step 3 |" in markdown  # one line
+    assert "| 7 | unfinished |" in markdown
+    assert "combiner_fixed" in printed and "injected fault" in printed
+
+
+def test_group_by_config_key_and_other_metric(multirun: Path) -> None:
+    report = aggregate(load_runs([multirun]), metric="val/bpd", by=["attention.name", "attention.block_size"])
+    assert report.table["attention.block_size"].tolist() == ["8", "8"]
+    assert report.table.set_index("attention.name").loc["full", "mean"] == pytest.approx(2.31)
+
+
+def test_completed_run_without_the_metric_is_listed(multirun: Path) -> None:
+    report = aggregate(load_runs([multirun]), metric="test/acc")
+    assert report.table.empty
+    assert (report.left_out["status"] == "no metric").sum() == 6
+    assert "test/bpd" in report.left_out["reason"].iloc[0]  # names what was recorded
+
+
+def test_cli_errors_name_the_path(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    run = subprocess.run([sys.executable, "-m", "longseq.report", str(missing)], capture_output=True, text=True)
+    assert run.returncode == 2 and str(missing) in run.stderr
+    (tmp_path / "empty").mkdir()
+    assert report_main([str(tmp_path / "empty")]) == 2
+    assert not (tmp_path / "empty" / "report.csv").exists()
+
+
+def test_train_records_completed_and_failed_runs(make_cfg, tmp_path: Path) -> None:
+    """The runner writes metrics.json: the final metrics of a finished run; the error of a failed one."""
+    from longseq.runner import train
+
+    metrics = train(make_cfg(["logger=csv", "trainer.log_every_n_steps=1", "callbacks.samples.n_samples=0"]))
+    record = json.loads((tmp_path / "metrics.json").read_text())
+    assert record["status"] == "completed"
+    assert record["metrics"]["test/bpd"] == pytest.approx(metrics["test/bpd"]) and math.isfinite(record["metrics"]["test/bpd"])
+    curves = learning_curves(load_runs([tmp_path])[0], "train/loss")
+    assert len(curves) >= 1 and curves["step"].is_monotonic_increasing
+
+    failed_dir = tmp_path / "failed"
+    cfg = make_cfg(["attention=fixed", "attention.block_size=5"])  # 5 does not tile L = 64: fails at build
+    cfg.paths.output_dir = str(failed_dir)
+    with pytest.raises(Exception, match="block_size") as raised:
+        train(cfg)
+    record = json.loads((failed_dir / "metrics.json").read_text())
+    assert record["status"] == "failed" and record["metrics"] == {}
+    assert type(raised.value).__name__ in record["error"] and "block_size" in record["error"]
