@@ -38,7 +38,10 @@ def test_task_composes_and_instantiates(task, tmp_path):
 def test_attention_builds_on_digits(attention, tmp_path):
     """Causal-capable attentions build inside the density model; bidirectional-only ones are rejected
     there with a message naming the attention, and build from the same config with causal=false."""
-    cfg = compose_config([f"attention={attention}"], tmp_path)
+    from longseq.attention.registry import PARTITION_FAMILIES
+
+    geometry = ["partition=fixed"] if attention in PARTITION_FAMILIES else []  # generic entries need partition=
+    cfg = compose_config([f"attention={attention}", *geometry], tmp_path)
     factory = ATTENTION_REGISTRY.get(attention)
     if factory is None or factory.cls.supports_causal:
         module = build_module(cfg)
@@ -187,3 +190,16 @@ def test_cli_cfg_job_composes_for_gpu():
     assert out.returncode == 0, out.stderr
     job = OmegaConf.create(out.stdout)
     assert job.trainer.accelerator == "gpu" and job.task.seq_len == 3072
+
+
+def test_partition_is_composed_only_for_the_generic_entries(tmp_path):
+    """``partition=`` is the geometry of ``attention=sparse|combiner`` only: other runs do not carry it, and a
+    generic entry without one fails naming ``partition=<name>`` and the valid values. ``causal`` comes from the
+    task, in one place (``train.yaml``), not from a copy per attention YAML."""
+    assert "partition" not in compose_config(["attention=full"], tmp_path)
+    assert not any("causal" in line and "task.causal" in line for path in (CONF / "attention").glob("*.yaml")
+                   for line in path.read_text().splitlines())
+    cfg = compose_config(["attention=combiner", "task=cifar10"], tmp_path)
+    assert cfg.attention.causal is True
+    with pytest.raises(AttentionConfigError, match=r"partition=<name>; valid: \['axial'"):
+        build_module(cfg)

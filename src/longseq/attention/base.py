@@ -6,15 +6,17 @@ normalized weights ``(B, H, L, L)`` it applied (for tests and figures, small L o
 scaling happens once, inside the module.
 
 Capabilities are class attributes, checked at construction so that an impossible choice fails before
-any training starts, with a message naming the offending key.
+any training starts, with a message naming the offending key. ``family`` (dense, sparse, combiner,
+efficient) is the subpackage the variant lives in; the registry sets it and ``name``.
 
-Padding: variable-length inputs (LRA ListOps / Text / Retrieval) are padded to the fixed length the
-geometry was built for and pass ``key_padding_mask`` ``(B, L)`` bool, **True = padded key** (PyTorch's
-``nn.MultiheadAttention`` convention). A padded key gets zero weight from every query. Only variants with
-``supports_padding_mask = True`` accept the keyword; a padded task rejects the others when it is built
-(``check_padding_support``). A query whose every allowed key is padded (an empty document) has no valid
-key; variants give such a row uniform weight over its allowed keys instead of NaN (its output is never
-pooled, since pooling skips padded positions).
+Padding: variants with ``supports_padding_mask = True`` take ``key_padding_mask`` ``(B, L)`` bool, True =
+padded key, and follow the one key-padding rule of ``ops.padding`` (a padded key gets zero weight from every
+query with a real key; a query with none falls back to its unpadded direct keys). A padded task rejects the
+other variants when it is built (``check_padding_support``).
+
+Incremental decoding (sampling): causal variants with ``supports_decoding`` keep a per-layer state,
+``new_state`` / ``prefill`` / ``step`` (``ops.decoding``), whose outputs equal ``forward``'s at every position.
+The others raise ``DecodingNotSupported`` from ``new_state`` and sampling falls back to recompute.
 """
 
 from __future__ import annotations
@@ -29,24 +31,32 @@ class AttentionConfigError(ValueError):
     """An attention was asked for something it cannot do; the message names the key and valid values."""
 
 
+class DecodingNotSupported(AttentionConfigError):
+    """The variant (or its bidirectional build) has no incremental decoding state; sampling recomputes."""
+
+
 class Attention(nn.Module):
     """Base class: stores the common arguments and validates capabilities.
 
-    Subclasses set the capability flags and implement ``forward`` and ``attention_matrix``.
+    Subclasses set the capability flags and implement ``forward`` and ``attention_matrix`` (and, with
+    ``supports_decoding``, ``init_decoding_state`` and ``step``; ``prefill`` defaults to one step per position).
 
     Args:
         causal: forbid attending to later positions (autoregressive tasks).
         seq_len: the sequence length the layer will see, when known at construction; used to
-            validate geometry early (``requires_len_multiple_of``) and by length-dependent variants.
+            validate geometry early (``requires_len_multiple_of``, checked by the registry once the
+            variant is built) and by length-dependent variants.
         n_heads: number of heads H (variants with per-head parameters need it).
         head_dim: per-head width D (variants with learned maps need it).
         dropout: dropout on attention weights during training.
     """
 
     name: str = "?"  # set by the registry
+    family: str = "?"  # set by the registry: dense, sparse, combiner or efficient
     supports_causal: bool = True
     supports_bidirectional: bool = True
     supports_padding_mask: bool = False  # forward/attention_matrix accept key_padding_mask=(B, L), True = pad
+    supports_decoding: bool = False  # causal builds have new_state / prefill / step
     has_parameters: bool = False
     # What ``attention_matrix`` promises (tests read these): rows sum to 1 (a softmax-style method),
     # and ``forward(q, k, v) == attention_matrix(q, k, v) @ v`` exactly (the output is linear in v
@@ -80,13 +90,6 @@ class Attention(nn.Module):
         self.n_heads = n_heads
         self.head_dim = head_dim
         self.dropout = float(dropout)
-        multiple = self.requires_len_multiple_of()
-        if seq_len is not None and multiple > 1 and seq_len % multiple:
-            raise AttentionConfigError(
-                f"attention '{self.name}': sequence length {seq_len} is not a multiple of "
-                f"{multiple} ({self.geometry_key()}); choose a value that divides {seq_len}, "
-                f"e.g. one of {divisors(seq_len)}"
-            )
 
     # -- capabilities -------------------------------------------------------------------------
     def requires_len_multiple_of(self) -> int:
@@ -98,12 +101,12 @@ class Attention(nn.Module):
         return "attention.block_size"
 
     def check_length(self, length: int) -> None:
-        """Raise a clear error when a runtime length does not fit the geometry."""
+        """Raise a clear error when a length does not fit the geometry."""
         multiple = self.requires_len_multiple_of()
         if multiple > 1 and length % multiple:
             raise AttentionConfigError(
-                f"attention '{self.name}': length {length} is not a multiple of {multiple} "
-                f"({self.geometry_key()}); valid block sizes for L={length}: {divisors(length)}"
+                f"attention '{self.name}': sequence length {length} is not a multiple of {multiple} "
+                f"({self.geometry_key()}); choose a value that divides {length}, e.g. one of {divisors(length)}"
             )
 
     def check_padding_support(self, task: str = "this task") -> None:
@@ -142,31 +145,40 @@ class Attention(nn.Module):
         """
         raise NotImplementedError
 
+    # -- incremental decoding (``ops.decoding``) ---------------------------------------------------
+    def new_state(self, batch_size: int, max_len: int, *, device: torch.device | str | None = None,
+                  dtype: torch.dtype | None = None):
+        """A decoding state for ``batch_size`` sequences of up to ``max_len`` positions (``state.length`` = 0).
+
+        Raises ``DecodingNotSupported`` naming the variant when it has no state or is built bidirectional.
+        """
+        if not (self.supports_decoding and self.causal):
+            why = "it is built bidirectional (attention.causal=false)" if self.supports_decoding else (
+                "it has no incremental decoding state (supports_decoding=False)")
+            raise DecodingNotSupported(
+                f"attention '{self.name}' cannot decode incrementally: {why}; sampling falls back to "
+                "recompute (one full forward pass per generated position)"
+            )
+        self.check_length(max_len)
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        return self.init_decoding_state(int(batch_size), int(max_len), device, dtype or torch.get_default_dtype())
+
+    def init_decoding_state(self, batch_size: int, max_len: int, device: torch.device, dtype: torch.dtype):
+        """The variant's empty state (called by ``new_state`` once the capability is checked)."""
+        raise NotImplementedError
+
+    def prefill(self, state, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The next T positions: q, k, v ``(B, H, T, D)`` unscaled -> ``(B, H, T, D)``, as ``forward`` gives them;
+        advances ``state``. Default: one ``step`` per position (variants override with a batched prefill)."""
+        return torch.cat([self.step(state, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
+                          for t in range(q.shape[-2])], -2)
+
+    def step(self, state, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The next position: q, k, v ``(B, H, 1, D)`` unscaled -> ``(B, H, 1, D)``; advances ``state``."""
+        raise NotImplementedError
+
     def extra_repr(self) -> str:
         return f"name={self.name}, causal={self.causal}"
-
-
-PADDING_PENALTY = 1.0e4  # logit offset of padded keys: exp(-1e4) is exactly 0 in fp32, and 1e4 fits fp16
-
-
-def append_padding_channel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           key_padding_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Key padding for any variant whose weights are ``softmax(q k^T / sqrt(D))`` over a fixed pattern.
-
-    Appends one channel so that the variant's own scaled logits become ``q.k / sqrt(D) - PADDING_PENALTY * pad_j``:
-    q' = [q * sqrt((D+1)/D), sqrt(D+1)], k' = [k, -PADDING_PENALTY * pad], v' = [v, 0]. After the variant's
-    1/sqrt(D+1) scaling the first D channels give exactly ``q.k / sqrt(D)``. Padded keys then get zero weight
-    in every row that has a real key; a row whose allowed keys are all padded keeps its unpadded weights (all
-    logits shift equally). Drop the last output channel: ``variant(q', k', v')[..., :-1]``.
-    q, k, v (B, H, L, D), key_padding_mask (B, L) bool (True = pad) -> (B, H, L, D + 1) each.
-    """
-    D = q.shape[-1]
-    pad = key_padding_mask.to(k.dtype)[:, None, :, None].expand(*k.shape[:-1], 1)
-    q_extra = torch.full_like(q[..., :1], math.sqrt(D + 1))
-    q2 = torch.cat([q * math.sqrt((D + 1) / D), q_extra], dim=-1)
-    k2 = torch.cat([k, -PADDING_PENALTY * pad], dim=-1)
-    v2 = torch.cat([v, torch.zeros_like(v[..., :1])], dim=-1)
-    return q2, k2, v2
 
 
 def divisors(n: int) -> list[int]:

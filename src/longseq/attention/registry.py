@@ -1,4 +1,9 @@
-"""One registry of attention variants; names equal the ``conf/attention/*.yaml`` file names."""
+"""One registry of attention variants; names equal the ``conf/attention/*.yaml`` file names.
+
+A variant's ``family`` is the subpackage it lives in (``dense``, ``sparse``, ``combiner``, ``efficient``);
+a variant defined outside the package inherits it from the family class it subclasses. The benchmark and the
+tests read ``family`` and the capability flags, never the name.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from typing import Any, Callable
 from longseq.attention.base import Attention, AttentionConfigError
 
 ATTENTION_REGISTRY: dict[str, Callable[..., Attention]] = {}
+FAMILIES = ("dense", "sparse", "combiner", "efficient")
 
 # Generic entries whose geometry comes from ``partition=``: ``attention=sparse partition=axial`` is
 # the ``axial`` baseline and ``attention=combiner partition=axial`` is ``combiner_axial``.
@@ -25,25 +31,35 @@ PARTITION_FAMILIES: dict[str, dict[str, str]] = {
 }
 
 
-def register_attention(name: str, **preset: Any) -> Callable[[type[Attention]], type[Attention]]:
-    """Class decorator: register ``cls`` under ``name`` with optional preset keyword defaults.
+def family_of_module(module: str) -> str | None:
+    """``longseq.attention.<family>.<file>`` -> ``<family>``; None outside the package's family folders."""
+    parts = module.split(".")
+    if parts[:2] == ["longseq", "attention"] and len(parts) > 3 and parts[2] in FAMILIES:
+        return parts[2]
+    return None
 
-    The same class may be registered under several names with different presets (e.g. the
-    Combiner axial family), which is how ``combiner_axial_vertical`` differs from ``combiner_axial``.
-    """
+
+def register_attention(name: str) -> Callable[[type[Attention]], type[Attention]]:
+    """Class decorator: register ``cls`` under ``name`` (its ``name`` attribute) in its ``family``."""
 
     def decorate(cls: type[Attention]) -> type[Attention]:
         if name in ATTENTION_REGISTRY:
             raise ValueError(f"attention name '{name}' registered twice")
+        family = family_of_module(cls.__module__) or getattr(cls, "family", None)
+        if family not in FAMILIES:
+            raise ValueError(
+                f"attention '{name}' ({cls.__module__}) has no family: define it under "
+                f"longseq/attention/<{'|'.join(FAMILIES)}>/ or subclass a variant of one"
+            )
+        cls.name, cls.family = name, family
 
         def factory(**kwargs: Any) -> Attention:
-            module = cls.__new__(cls)
-            module.name = name
-            module.__init__(**{**preset, **kwargs})
+            module = cls(**kwargs)
+            if module.seq_len is not None:
+                module.check_length(module.seq_len)
             return module
 
         factory.cls = cls  # type: ignore[attr-defined]
-        factory.preset = preset  # type: ignore[attr-defined]
         ATTENTION_REGISTRY[name] = factory
         return cls
 

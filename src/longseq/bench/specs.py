@@ -23,11 +23,8 @@ CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 # would time the same module twice.
 GENERIC_NAMES = frozenset(PARTITION_FAMILIES)
 
-# Families for the quick preset, with the members preferred as representatives (the Combiner paper's
-# Fig. 3 set first); names not listed fall back to the registry order.
-SPARSE_NAMES = frozenset(PARTITION_FAMILIES["sparse"].values()) | {
-    "local", "strided", "longformer", "bigbird", "random",
-}
+# Families for the quick preset (a variant's ``family`` is its attention subpackage), with the members preferred
+# as representatives (the Combiner paper's Fig. 3 set first); names not listed fall back to the registry order.
 FAMILY_PREFERENCE = {
     "dense": ["full"],
     "sparse": ["fixed", "axial", "bigbird", "logsparse", "local"],
@@ -38,14 +35,8 @@ PER_FAMILY_QUICK = 2
 
 
 def family_of(name: str) -> str:
-    """The family a registered attention belongs to: dense, sparse, combiner or efficient (the rest)."""
-    if name == "full":
-        return "dense"
-    if name.startswith("combiner") or name in PARTITION_FAMILIES["combiner"].values():
-        return "combiner"
-    if name in SPARSE_NAMES:
-        return "sparse"
-    return "efficient"
+    """The family of a registered attention (dense, sparse, combiner or efficient): its class's ``family``."""
+    return ATTENTION_REGISTRY[name].cls.family  # type: ignore[attr-defined]
 
 
 def registered_names() -> list[str]:

@@ -1,0 +1,321 @@
+"""Combiner-Learnable (Ren et al. 2021, §4.4 and appendix D): a k-means partition, Combiner style.
+
+Positions are routed by online k-means (``clustering.OnlineKMeans``, Routing Transformer style: one set
+of K unit-norm centroids per head, routing vector = the position's key, normalized; centroids follow an
+EMA of their members in training). A query attends directly to its own cluster and sees every other
+cluster through one summary (pooled key, pooled query, local expectation of the values), all in ONE
+softmax over [direct logits ; summary logits] with a single 1/sqrt(D).
+
+Bidirectional (clean partition). Clusters are balanced: K clusters of S = L / K positions.
+- direct = every member of the query's own cluster (self included);
+- regions = every other cluster, whole. None is empty.
+
+Causal. A balanced assignment over the whole sequence would let later tokens decide the cluster of
+earlier ones (information from the future), so the causal partition is built from two causal-safe
+pieces on segments of length M (``segment_len``: the smallest multiple of ``block_size`` that
+``n_clusters`` divides, so ``M = block_size`` when K divides it):
+- key clusters: each segment is split by the balanced assignment into K clusters of M / K members, so
+  a key's cluster depends only on its own segment and every cluster has exactly g * M / K members in
+  the first g segments;
+- query route rho(i): the nearest centroid of position i's own routing vector. The first S positions
+  (in position order) routed to a centroid get a slot in it ("routed"); later ones overflow. Both
+  depend only on positions <= i.
+For query i in segment g:
+- direct = own segment up to and including i  ∪  (if routed) key cluster rho(i) ∩ segments < g;
+- regions = for every key cluster c (except rho(i) when routed): R(c, g) = c ∩ segments < g.
+Every j <= i is covered exactly once (own segment directly; an earlier j directly when it is in the
+query's cluster, else through the summary of its cluster), nothing later is covered, and all regions
+are non-empty for g >= 1 (segment 0 has no regions: they are masked). R(c, g) is the first g * M / K
+members of cluster c (members sorted by position), so its summary comes from pooling each
+(cluster, segment) chunk, a running pool over segments (max of maxes / mean of equal-size means) and
+one masked inner softmax per (cluster, segment) over the cluster's block.
+
+Cost per query: M + S direct logits + K summary logits; memory O(L (M + L/K + K)) plus O(L D) for the
+gathered cluster blocks, never L x L (``attention_matrix`` excepted). The clustering is not
+differentiable (ids only); gradients flow through q, k, v of every used logit, pool and value.
+
+Key padding (``key_padding_mask`` (B, L), True = pad; LRA). Padded keys still take cluster slots (the
+balanced assignment places them after every real key, into the room left, so real keys cluster as
+without the padding's contents), but get no direct weight, are left out of every cluster summary (pooled
+query, pooled key, inner softmax), and a cluster (or causal region R(c, g)) without a real key is masked.
+Causal padded queries are routed nowhere (route K: they take no query slot), and only real keys move the
+centroids in training. A query left with nothing (only a padded one can be) falls back to its unpadded
+direct keys. ``attention_matrix`` applies the shared rule ``Partition.without_padding`` per document.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from longseq.attention.combiner.summary import RegionSummary
+from longseq.attention.ops.clustering import CausalClusterSlots, ClusteredAttention, OnlineKMeans
+from longseq.attention.ops.geometry import cluster_order
+from longseq.attention.ops.masks import NEG_INF
+from longseq.attention.ops.partition import Partition
+from longseq.attention.registry import register_attention
+
+
+@register_attention("combiner_routing")
+class CombinerRoutingAttention(ClusteredAttention):
+    """Combiner-Learnable: own k-means cluster direct, one summary per other cluster (see module doc).
+
+    Args:
+        causal: causal partition (segments + causal-safe routing) or the bidirectional clean partition.
+        n_clusters: K; must divide L (bidirectional) or the causal segment length.
+        block_size: causal segment granularity (the segment length is the smallest multiple of it
+            that K divides). ``None``: the length-dependent default, the multiple of K dividing L
+            closest to sqrt(L). Unused when bidirectional.
+        summary: region pooling: ``max`` (default), ``mean``, ``deepsets_max``, ``deepsets_mean``.
+        ema_decay: k-means centroid EMA decay (training only).
+        seed: seeds the centroid initialization.
+        seq_len, n_heads, head_dim, dropout: see ``Attention``; dropout acts on the joint weights.
+    """
+
+    def __init__(
+        self,
+        *,
+        causal: bool,
+        n_clusters: int,
+        block_size: int | None = None,
+        summary: str = "max",
+        ema_decay: float = 0.999,
+        seed: int = 0,
+        seq_len: int | None = None,
+        n_heads: int | None = None,
+        head_dim: int | None = None,
+        dropout: float = 0.0,
+    ) -> None:
+        self.check_cluster_knobs(n_clusters, block_size)
+        self.n_clusters = n_clusters
+        self.block_size = block_size
+        super().__init__(causal=causal, seq_len=seq_len, n_heads=n_heads, head_dim=head_dim, dropout=dropout)
+        if seq_len is not None:
+            self.check_length(seq_len)
+            self.segment_len(seq_len)  # fail at construction, naming the keys
+        self.summary = RegionSummary(summary, head_dim)
+        self.has_parameters = self.summary.has_parameters
+        self.kmeans = OnlineKMeans(n_clusters, n_heads=n_heads, head_dim=head_dim, ema_decay=ema_decay, seed=seed)
+
+    # -- clustering (geometry, ``assign``: ``ClusteredAttention``) ----------------------------------
+    def partition(
+        self, key_clusters: torch.Tensor, query_routes: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense partition for explicit cluster ids (reference path, small L).
+
+        Args:
+            key_clusters: ``(..., L)`` ids of every position as a key (balanced; per segment when causal).
+            query_routes: ``(..., L)`` nearest-centroid ids of every query (causal only).
+
+        Returns ``(direct, regions)``: ``direct`` ``(..., L, L)`` bool (query i attends key j directly) and
+        ``regions`` ``(..., L, K, L)`` bool (members of the region that query i sees as cluster c's summary;
+        all False where that summary is not used).
+        """
+        K, device = self.n_clusters, key_clusters.device
+        clusters = torch.arange(K, device=device)
+        in_cluster = key_clusters.unsqueeze(-2) == clusters.unsqueeze(-1)  # (..., K, L): j in cluster c
+        if not self.causal:
+            own = key_clusters.unsqueeze(-1)  # (..., L, 1)
+            direct = own == key_clusters.unsqueeze(-2)
+            regions = in_cluster.unsqueeze(-3) & (clusters != own).unsqueeze(-1)  # (..., L, K, L)
+            return direct, regions
+        if query_routes is None:
+            raise ValueError("causal partition needs query_routes")
+        direct, earlier_segment, own_route = self.causal_direct_mask(key_clusters, query_routes)
+        regions = (
+            earlier_segment.unsqueeze(-2)  # (L, 1, L)
+            & in_cluster.unsqueeze(-3)  # (..., 1, K, L)
+            & (clusters != own_route).unsqueeze(-1)  # (..., L, K, 1)
+        )
+        return direct, regions
+
+    # -- forward (``ClusteredAttention.forward`` dispatches here) --------------------------------
+    supports_padding_mask = True
+
+    def _bidirectional(self, q, k, v, clusters, real=None):
+        B, H, L, D = q.shape
+        K, S = self.n_clusters, L // self.n_clusters
+        order, _ = cluster_order(clusters, K)
+        q_blk, k_blk, v_blk = self._blocks(order, self.scale(q), k, v)  # (B, H, K, S, D)
+        p = self.dropout if self.training else 0.0
+        if real is not None:
+            keys, values, mask = self._bidirectional_padded(q_blk, k_blk, v_blk, self._members(order, real))
+        elif K == 1:
+            keys, values, mask = k_blk, v_blk, None
+        else:
+            q_bar = self.summary.pool_queries(q_blk, 3).unsqueeze(3)  # (B, H, K, 1, D)
+            k_bar = self.summary.pool_keys(k_blk, 3)  # (B, H, K, D)
+            inner = (q_bar @ k_blk.transpose(-1, -2)).softmax(-1)  # (B, H, K, 1, S): whole clusters, unmasked
+            v_bar = (inner @ v_blk).squeeze(3)  # (B, H, K, D)
+            # every cluster block sees [its own S keys ; the K summaries], its own summary masked
+            keys = torch.cat([k_blk, k_bar.unsqueeze(2).expand(B, H, K, K, D)], 3)
+            values = torch.cat([v_blk, v_bar.unsqueeze(2).expand(B, H, K, K, D)], 3)
+            other = ~torch.eye(K, dtype=torch.bool, device=q.device).unsqueeze(1).expand(K, S, K)
+            mask = torch.cat([torch.ones(K, S, S, dtype=torch.bool, device=q.device), other], -1).unsqueeze(0)
+        fold = lambda x: x.reshape(B * H, K, x.shape[3], x.shape[4])  # noqa: E731  blocks in the SDPA "heads" slot
+        if mask is not None and mask.dim() == 5:  # per-document padded mask (B, H, K, S, S + K)
+            mask = fold(mask)
+        out = F.scaled_dot_product_attention(fold(q_blk), fold(keys), fold(values), attn_mask=mask, dropout_p=p, scale=1.0)
+        return self._unblock(order, out)
+
+    def _members(self, order: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """Which members of every cluster block are real keys: ``real`` (B, L) -> (B, H, K, S) bool."""
+        B, H, L = order.shape
+        return real.unsqueeze(1).expand(B, H, L).gather(2, order).view(B, H, self.n_clusters, L // self.n_clusters)
+
+    def _bidirectional_padded(self, q_blk, k_blk, v_blk, member):
+        """Keys, values and mask (B, H, K, S, S + K) for every cluster block under key padding; ``member``
+        (B, H, K, S) bool marks real keys. Summaries pool real members only; a cluster without one is masked."""
+        B, H, K, S, D = k_blk.shape
+        occupied = member.any(-1)  # (B, H, K)
+        q_bar = self.summary.masked_reduce(self.summary.query_features(q_blk), member).unsqueeze(3)  # (B, H, K, 1, D)
+        k_bar = self.summary.masked_reduce(self.summary.key_features(k_blk), member)  # (B, H, K, D)
+        # an empty cluster gets any finite inner row (all members); its summary is masked below
+        inner_mask = (member | ~occupied.unsqueeze(-1)).unsqueeze(3)  # (B, H, K, 1, S)
+        inner = (q_bar @ k_blk.transpose(-1, -2)).masked_fill(~inner_mask, NEG_INF).softmax(-1)
+        v_bar = (inner @ v_blk).squeeze(3)  # (B, H, K, Dv)
+        keys = torch.cat([k_blk, k_bar.unsqueeze(2).expand(B, H, K, K, D)], 3)
+        values = torch.cat([v_blk, v_bar.unsqueeze(2).expand(B, H, K, K, v_bar.shape[-1])], 3)
+        other = ~torch.eye(K, dtype=torch.bool, device=k_blk.device)  # (own cluster, summarized cluster)
+        mask = torch.cat([member.unsqueeze(3).expand(B, H, K, S, S),
+                          (other & occupied.unsqueeze(2)).unsqueeze(3).expand(B, H, K, S, K)], -1)
+        own_cluster_only = torch.cat([mask.new_ones(S), mask.new_zeros(K)])  # the unpadded direct keys
+        return keys, values, torch.where(mask.any(-1, keepdim=True), mask, own_cluster_only)
+
+    def _causal(self, q, k, v, key_clusters, query_routes, real=None):
+        B, H, L, D = q.shape
+        K, S = self.n_clusters, L // self.n_clusters
+        M = self.segment_len(L)
+        n, per_segment = L // M, M // K
+        device, neg_inf = q.device, NEG_INF
+        qs = self.scale(q)
+
+        # cluster blocks: members of each key cluster in position order; member t lies in segment t // (M/K)
+        order, _ = cluster_order(key_clusters, K)
+        q_blk, k_blk, v_blk = self._blocks(order, qs, k, v)  # (B, H, K, S, D)
+        member_segment = torch.arange(S, device=device) // per_segment  # (S,)
+
+        # direct: own cluster in earlier segments (via query slots) | own segment up to self
+        slots = CausalClusterSlots(query_routes, K, M)
+        cluster_logits, segment_logits = slots.logits(qs, k, k_blk)  # (B, H, L, S), (B, H, n, M, M)
+
+        # summaries of R(c, g) = first g*M/K members of cluster c = its chunks of segments < g:
+        # pool each (cluster, segment) chunk, run the pool over segments, shift by one segment
+        inner_allowed = member_segment < torch.arange(n, device=device).unsqueeze(1)  # (n, S)
+        if real is None:
+            q_bar = self._segment_prefix(self.summary.query_features(q_blk), n)  # (B, H, K, n, D)
+            k_bar = self._segment_prefix(self.summary.key_features(k_blk), n)
+            inner_allowed[0] = True  # R(c, 0) is empty: its logit is masked below; keep this softmax finite
+        else:
+            member = self._members(order, real)  # (B, H, K, S): real keys
+            q_bar, occupied = self._segment_prefix_padded(self.summary.query_features(q_blk), member, n)
+            k_bar, _ = self._segment_prefix_padded(self.summary.key_features(k_blk), member, n)
+            inner_allowed = inner_allowed & member.unsqueeze(3)  # (B, H, K, n, S)
+            # an empty region gets any finite inner row; its logit is masked below
+            inner_allowed = inner_allowed | ~inner_allowed.any(-1, keepdim=True)
+            unpadded_direct = torch.cat([cluster_logits, segment_logits.view(B, H, L, M)], -1)
+            own_members = member.gather(2, query_routes.clamp(max=K - 1).unsqueeze(-1).expand(B, H, L, S))
+            cluster_logits = cluster_logits.masked_fill(~own_members, neg_inf)
+            segment_logits = segment_logits.masked_fill(~real.view(B, 1, n, 1, M), neg_inf)
+        inner = (q_bar @ k_blk.transpose(-1, -2)).masked_fill_(~inner_allowed, neg_inf).softmax(-1)
+        v_bar = (inner @ v_blk).transpose(2, 3)  # (B, H, n, K, D)
+        summary_logits = qs.view(B, H, n, M, D) @ k_bar.permute(0, 1, 3, 4, 2)  # (B, H, n, M, K)
+        own_route = torch.where(slots.routed, query_routes, K).view(B, H, n, M, 1)
+        summary_allowed = (torch.arange(K, device=device) != own_route) & (
+            torch.arange(n, device=device) > 0
+        ).view(n, 1, 1)
+        if real is not None:
+            summary_allowed = summary_allowed & occupied.permute(0, 1, 3, 2).unsqueeze(3)  # (B, H, n, M, K)
+        summary_logits = summary_logits.masked_fill_(~summary_allowed, neg_inf)
+
+        # one joint softmax per query over [own cluster | own segment | summaries]
+        logits = torch.cat([cluster_logits, segment_logits.view(B, H, L, M), summary_logits.view(B, H, L, K)], -1)
+        if real is not None:  # a query left with nothing falls back to its unpadded direct keys
+            empty = (logits == neg_inf).all(-1, keepdim=True)
+            logits = torch.where(empty, F.pad(unpadded_direct, (0, K), value=neg_inf), logits)
+        weights = self.weight_dropout(logits.softmax(-1))
+        w_cluster, w_segment, w_summary = weights.split([S, M, K], -1)
+
+        out = (w_segment.view(B, H, n, M, M) @ v.view(B, H, n, M, D)).view(B, H, L, D)
+        out = out + (w_summary.view(B, H, n, M, K) @ v_bar).view(B, H, L, D)
+        return out + slots.cluster_output(w_cluster, v_blk)
+
+    def _segment_prefix(self, features: torch.Tensor, n: int) -> torch.Tensor:
+        """Pool of each cluster's members in segments < g, for g = 0..n-1 (g = 0: a placeholder).
+
+        features: ``(B, H, K, S, D)`` featurized cluster blocks (S = n chunks of S/n members, one per
+        segment) -> ``(B, H, K, n, D)``.
+        """
+        B, H, K, S, D = features.shape
+        per_segment = S // n
+        if per_segment == 1:
+            chunks = features
+        else:
+            chunks = self.summary.reduce_over(features.view(B, H, K, n, per_segment, D), 4)  # (B, H, K, n, D)
+        if self.summary.reduce == "max":
+            # cummax along a contiguous last axis is markedly faster on CPU than along axis 3
+            running = torch.cummax(chunks.transpose(3, 4).contiguous(), 4).values.transpose(3, 4)
+        else:  # equal-size chunks: the mean of chunk means is the mean of their union
+            count = torch.arange(1, n + 1, device=chunks.device, dtype=chunks.dtype).view(n, 1)
+            running = chunks.cumsum(3) / count
+        return torch.cat([running[:, :, :, :1], running[:, :, :, :-1]], 3)
+
+    def _segment_prefix_padded(self, features: torch.Tensor, member: torch.Tensor, n: int):
+        """``_segment_prefix`` over real members only: features (B, H, K, S, D), ``member`` (B, H, K, S) bool ->
+        (pools (B, H, K, n, D), occupied (B, H, K, n): R(c, g) has a real member); empty regions pool to 0."""
+        B, H, K, S, D = features.shape
+        chunks = features.view(B, H, K, n, S // n, D)
+        real = member.view(B, H, K, n, S // n, 1)
+        count = real.sum(4).cumsum(3)  # (B, H, K, n, 1): real members in segments <= g
+        if self.summary.reduce == "max":
+            running = torch.cummax(chunks.masked_fill(~real, NEG_INF).max(4).values, 3).values
+        else:
+            running = (chunks * real.to(chunks.dtype)).sum(4).cumsum(3) / count.clamp(min=1).to(chunks.dtype)
+        running = running.masked_fill(count == 0, 0.0)  # no -inf left for later products
+        shifted = torch.cat([running[:, :, :, :1], running[:, :, :, :-1]], 3)
+        occupied = torch.cat([torch.zeros_like(count[:, :, :, :1]), count[:, :, :, :-1]], 3) > 0
+        return shifted, occupied.squeeze(-1)
+
+    # -- reference --------------------------------------------------------------------------------
+    def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, H, L, L) effective weights, written densely from ``partition`` (small L only); with
+        ``key_padding_mask`` each document's partition follows ``Partition.without_padding``."""
+        if key_padding_mask is not None:
+            return self.padded_attention_matrix(q, k, key_padding_mask.to(device=q.device, dtype=torch.bool))
+        B, H, L, D = q.shape
+        K = self.n_clusters
+        key_clusters, query_routes = self.assign(k)
+        direct, regions = self.partition(key_clusters, query_routes)  # (B, H, L, L), (B, H, L, K, L)
+        qs = self.scale(q)
+        direct_logits = (qs @ k.transpose(-1, -2)).masked_fill(~direct, NEG_INF)
+        members = regions.reshape(B, H, L * K, L)
+        q_bar = self.summary.pool_region_queries(qs, members)  # (B, H, L*K, D): per (query, cluster)
+        k_bar = self.summary.pool_region_keys(k, members).view(B, H, L, K, D)
+        inner = (q_bar @ k.transpose(-1, -2)).masked_fill(~members, NEG_INF)
+        inner = inner.softmax(-1).nan_to_num(0.0).view(B, H, L, K, L)  # unused empty regions -> 0
+        summary_logits = (qs.unsqueeze(3) * k_bar).sum(-1).masked_fill(~regions.any(-1), NEG_INF)
+        joint = torch.cat([direct_logits, summary_logits], -1).softmax(-1)
+        w_direct, w_summary = joint.split([L, K], -1)
+        return w_direct + torch.einsum("bhik,bhikj->bhij", w_summary, inner)
+
+    def padded_attention_matrix(self, q: torch.Tensor, k: torch.Tensor, key_padding_mask: torch.Tensor) -> torch.Tensor:
+        """(B, H, L, L) weights under key padding (B, L): the clustering of ``assign(k, real)``, then per document
+        and head the shared rule ``Partition.without_padding`` on the partition written as L * K regions (query i's
+        view of cluster c is region i * K + c). A loop over (B, H) on this small-L reference path only."""
+        B, H, L, _ = q.shape
+        K = self.n_clusters
+        key_clusters, query_routes = self.assign(k, ~key_padding_mask)
+        direct, regions = self.partition(key_clusters, query_routes)  # (B, H, L, L), (B, H, L, K, L)
+        own_regions = torch.eye(L, dtype=torch.bool, device=q.device).repeat_interleave(K, 1)  # (L, L * K)
+        rows = []
+        for b in range(B):
+            for h in range(H):
+                flat = regions[b, h].reshape(L * K, L)
+                part = Partition.from_candidates(direct[b, h], flat, own_regions).without_padding(key_padding_mask[b])
+                rows.append(self.summary.matrix(part, self.scale(q[b, h])[None, None], k[b, h][None, None]))
+        return torch.cat(rows).view(B, H, L, L)
+
+    def extra_repr(self) -> str:
+        return f"name={self.name}, causal={self.causal}, n_clusters={self.n_clusters}, block_size={self.block_size}"
+

@@ -1,0 +1,1 @@
+"""Dense attention: every allowed key, O(L^2) (``full``)."""

@@ -1,0 +1,2 @@
+"""Shared attention kernels and rules (no registered classes): masks, padding, geometry, partition, joint
+softmax, log levels, prefix sums, clustering, mixed precision, decoding."""

@@ -1,0 +1,384 @@
+"""Online k-means for learned partitions (Routing Transformer, Roy et al. 2020; Combiner-Learnable).
+
+Per head, ``K`` unit-norm centroids live in a buffer (so they are saved with checkpoints but get no
+gradient). A position is routed by the cosine similarity of its (unit-normalized) routing vector with
+the centroids. Two assignments are offered:
+
+- ``nearest``: each position takes its most similar centroid. A position's cluster depends only on its
+  own vector, so it is safe for causal use, but cluster sizes vary.
+- ``balanced``: every group of ``N`` consecutive positions is split into ``K`` clusters of exactly
+  ``N / K`` members (a partition). Rule (``balanced_assignment``), a capacity-constrained greedy run
+  in rounds: every unassigned position proposes to its most similar centroid that still has room;
+  each centroid accepts its most similar proposers up to its remaining room (ties: earlier position
+  first); rejected positions propose again next round. Each round fills at least one centroid (or
+  ends the assignment), so there are at most ``K`` rounds; with centroids that already spread the
+  data there are only a few. A position's cluster depends on the whole group (not causal inside it).
+  Key padding: padded positions (``deferred``) still get a cluster, but only after every real position is
+  placed, filling the room left in position order; so the real positions' clusters never depend on the
+  padding's contents.
+
+In training, ``update`` moves every centroid toward the mean of the routing vectors assigned to it:
+``c <- normalize(decay * c + (1 - decay) * mean)`` (exponential moving average, decay 0.999 as in
+Routing Transformer); centroids without members stay put. Eval mode never changes them. Under key padding
+only real positions move the centroids.
+
+Shared by ``routing`` and ``combiner_routing``: ``ClusteredAttention`` (their common base: knobs, causal
+segment length, assignment, cluster blocks, forward dispatch, dense causal direct mask) and
+``CausalClusterSlots`` (the vectorized causal direct keys: own cluster in earlier segments + own segment).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from longseq.attention.base import Attention, AttentionConfigError, divisors
+from longseq.attention.ops.geometry import check_block_size, cluster_order
+from longseq.attention.ops.masks import NEG_INF, causal_mask
+
+
+def balanced_assignment(scores: torch.Tensor, deferred: torch.Tensor | None = None) -> torch.Tensor:
+    """Partition ``N`` positions into ``K`` equal clusters from similarity ``scores`` ``(..., N, K)``.
+
+    Returns ``(..., N)`` long cluster ids; each id occurs exactly ``N / K`` times per leading index.
+    See the module docstring for the rule. Not differentiable (ids only). ``deferred`` (bool, broadcastable
+    to ``(..., N)``, e.g. padded keys): those positions are left out of the rounds and then fill the
+    remaining room in position order, whatever their scores.
+    """
+    *lead, n_pos, n_clusters = scores.shape
+    if n_pos % n_clusters:
+        raise AttentionConfigError(
+            f"attention.n_clusters={n_clusters} must divide the {n_pos} positions being clustered"
+        )
+    flat_scores = scores.detach().reshape(-1, n_clusters)  # (G*N, K), one row per position
+    device = flat_scores.device
+    groups = flat_scores.shape[0] // n_pos
+    assignment = torch.full((groups * n_pos,), -1, dtype=torch.long, device=device)
+    room = torch.full((groups * n_clusters,), n_pos // n_clusters, dtype=torch.long, device=device)
+    pending = torch.arange(groups * n_pos, device=device)  # increasing = earlier positions first
+    late = None
+    if deferred is not None:
+        deferred = deferred.expand(*lead, n_pos).reshape(-1)
+        pending, late = pending[~deferred], pending[deferred]
+    first_round = True
+    for _ in range(n_clusters):  # at most K rounds; usually a handful, each on the still-pending rows
+        if pending.numel() == 0:
+            break
+        group = pending // n_pos
+        if first_round:  # every centroid has room: no masking, no copy
+            best, choice = (flat_scores if late is None else flat_scores[pending]).max(-1)
+            first_round = False
+        else:
+            full = (room.view(groups, n_clusters) == 0)[group]  # (P, K)
+            best, choice = flat_scores[pending].masked_fill(full, NEG_INF).max(-1)
+        slot = group * n_clusters + choice  # (group, centroid) proposed to
+        # proposers of each slot, most similar first; stable sorts keep earlier positions first on ties
+        by_score = torch.sort(-best, stable=True).indices
+        order = by_score[torch.sort(slot[by_score], stable=True).indices]
+        sorted_slot = slot[order]
+        proposals = torch.bincount(slot, minlength=room.numel())
+        first = proposals.cumsum(0) - proposals
+        rank = torch.arange(order.numel(), device=device) - first[sorted_slot]
+        accepted = rank < room[sorted_slot]
+        assignment[pending[order[accepted]]] = choice[order[accepted]]
+        room = room - torch.bincount(sorted_slot[accepted], minlength=room.numel())
+        pending = torch.sort(pending[order[~accepted]]).values
+    if late is not None and late.numel():
+        # each group's leftover room equals its deferred count, so the r-th deferred position overall takes
+        # the r-th free slot in (group, centroid) order
+        free_slot = torch.searchsorted(room.cumsum(0), torch.arange(late.numel(), device=device), right=True)
+        assignment[late] = free_slot % n_clusters
+    return assignment.view(*lead, n_pos)
+
+
+class OnlineKMeans(nn.Module):
+    """Per-head unit-norm centroids ``(H, K, D)`` with nearest / balanced routing and EMA updates.
+
+    Args:
+        n_clusters: K.
+        n_heads, head_dim: H and D; when unknown at construction the centroids are created on first use
+            (from the same seed, so still reproducible) and ``load_state_dict`` adopts the stored shape.
+        ema_decay: weight of the old centroid in the training-time update.
+        seed: seeds the Gaussian initialization (normalized to unit length).
+    """
+
+    def __init__(
+        self,
+        n_clusters: int,
+        n_heads: int | None = None,
+        head_dim: int | None = None,
+        ema_decay: float = 0.999,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if not isinstance(n_clusters, int) or n_clusters < 1:
+            raise AttentionConfigError(f"attention.n_clusters must be a positive integer, got {n_clusters!r}")
+        if not 0.0 <= ema_decay <= 1.0:
+            raise AttentionConfigError(f"attention.ema_decay must be in [0, 1], got {ema_decay}")
+        self.n_clusters = n_clusters
+        self.ema_decay = float(ema_decay)
+        self.seed = int(seed)
+        if n_heads is not None and head_dim is not None:
+            self.register_buffer("centroids", self._initial_centroids(n_heads, head_dim))
+        else:
+            self.register_buffer("centroids", torch.empty(0))
+
+    def _initial_centroids(self, n_heads: int, head_dim: int, like: torch.Tensor | None = None) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed)
+        c = F.normalize(torch.randn(n_heads, self.n_clusters, head_dim, generator=g, dtype=torch.float64), dim=-1)
+        if like is None:
+            return c.to(torch.get_default_dtype())
+        return c.to(device=like.device, dtype=like.dtype)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001
+        stored = state_dict.get(prefix + "centroids")
+        if stored is not None and stored.shape != self.centroids.shape:
+            self.centroids = torch.empty_like(stored, device=self.centroids.device)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _ensure(self, x: torch.Tensor) -> None:
+        H, D = x.shape[1], x.shape[-1]
+        if self.centroids.numel() == 0:
+            self.centroids = self._initial_centroids(H, D, like=x)
+        elif self.centroids.shape != (H, self.n_clusters, D):
+            raise AttentionConfigError(
+                f"k-means centroids have shape {tuple(self.centroids.shape)} but the input has H={H}, D={D}"
+            )
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """Cosine similarity of routing vectors ``x`` ``(B, H, L, D)`` with the centroids -> ``(B, H, L, K)``."""
+        self._ensure(x)
+        x = F.normalize(x.detach(), dim=-1)
+        return torch.einsum("bhld,hkd->bhlk", x, self.centroids.to(x.dtype))
+
+    def nearest(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, H, L)`` id of the most similar centroid; depends only on each position's own vector."""
+        return self.scores(x).argmax(-1)
+
+    def balanced(self, x: torch.Tensor, group: int | None = None, deferred: torch.Tensor | None = None) -> torch.Tensor:
+        """``(B, H, L)`` balanced ids: each run of ``group`` consecutive positions (default: all L) is
+        split into K clusters of ``group / K`` members. ``deferred`` ``(B, 1 or H, L)`` bool: positions placed
+        last, into the room the others leave (padded keys)."""
+        B, H, L, _ = x.shape
+        group = L if group is None else group
+        if L % group:
+            raise AttentionConfigError(f"k-means group {group} does not divide the length {L}")
+        scores = self.scores(x).view(B, H, L // group, group, self.n_clusters)
+        if deferred is not None:
+            deferred = deferred.reshape(B, -1, L // group, group)
+        return balanced_assignment(scores, deferred).view(B, H, L)
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor, clusters: torch.Tensor, real: torch.Tensor | None = None) -> None:
+        """EMA step toward the mean routing vector of each cluster (training only; no-op in eval).
+
+        x: ``(B, H, L, D)`` routing vectors (normalized here); clusters: ``(B, H, L)`` ids; ``real``
+        ``(B, 1 or H, L)`` bool: only these positions count (padded keys do not move the centroids).
+        """
+        if not self.training or self.ema_decay >= 1.0:
+            return
+        self._ensure(x)
+        x = F.normalize(x.detach(), dim=-1).to(self.centroids.dtype)
+        H, K, D = self.centroids.shape
+        one_hot = F.one_hot(clusters, K).to(x.dtype)  # (B, H, L, K)
+        if real is not None:
+            one_hot = one_hot * real.unsqueeze(-1).to(x.dtype)
+        sums = torch.einsum("bhlk,bhld->hkd", one_hot, x)
+        counts = one_hot.sum((0, 2)).unsqueeze(-1)  # (H, K, 1)
+        means = sums / counts.clamp(min=1.0)
+        moved = F.normalize(self.ema_decay * self.centroids + (1.0 - self.ema_decay) * means, dim=-1)
+        self.centroids.copy_(torch.where(counts > 0, moved, self.centroids))
+
+    def extra_repr(self) -> str:
+        return f"n_clusters={self.n_clusters}, ema_decay={self.ema_decay}, seed={self.seed}"
+
+
+class ClusteredAttention(Attention):
+    """Geometry shared by the k-means partitions (``routing`` and ``combiner_routing``).
+
+    Subclasses set ``n_clusters`` (K) and ``block_size``, check a known ``seq_len`` (``check_length``,
+    ``segment_len``) and own an ``OnlineKMeans`` as ``kmeans``. Causal
+    keys are clustered per segment of ``segment_len`` positions; queries are routed to their nearest
+    centroid. No ``__init__`` here, so the subclasses' constructor keywords stay the accepted config keys.
+    """
+
+    n_clusters: int
+    block_size: int | None
+    kmeans: OnlineKMeans
+
+    @staticmethod
+    def check_cluster_knobs(n_clusters: int, block_size: int | None) -> None:
+        """Reject a non-positive ``attention.n_clusters`` / ``attention.block_size`` (None allowed)."""
+        if not isinstance(n_clusters, int) or n_clusters < 1:
+            raise AttentionConfigError(f"attention.n_clusters must be a positive integer, got {n_clusters!r}")
+        if block_size is not None:  # divisibility is checked on lcm(block_size, n_clusters) by the base class
+            check_block_size(block_size)
+
+    def requires_len_multiple_of(self) -> int:
+        if self.causal and self.block_size is not None:
+            return math.lcm(self.block_size, self.n_clusters)
+        return self.n_clusters
+
+    def geometry_key(self) -> str:
+        return "attention.block_size / attention.n_clusters" if self.causal else "attention.n_clusters"
+
+    def segment_len(self, length: int) -> int:
+        """Causal segment length M for sequence length L: the smallest multiple of ``block_size`` that K
+        divides; with ``block_size=None`` the multiple of K dividing L closest to sqrt(L)."""
+        K = self.n_clusters
+        if length % K:
+            raise AttentionConfigError(
+                f"attention.n_clusters={K} must divide the sequence length {length}; valid: {divisors(length)}"
+            )
+        if self.block_size is not None:
+            seg = math.lcm(self.block_size, K)
+            if length % seg:
+                raise AttentionConfigError(
+                    f"attention.block_size={self.block_size} with attention.n_clusters={K} needs causal segments "
+                    f"of lcm={seg}, which does not tile length {length}; pick block_size and n_clusters "
+                    f"whose lcm divides {length}"
+                )
+            return seg
+        candidates = [d for d in divisors(length) if d % K == 0]
+        return min(candidates, key=lambda d: (abs(d - math.sqrt(length)), d))
+
+    def assign(self, k: torch.Tensor, real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Cluster ids from the keys ``(B, H, L, D)``: ``(key_clusters, query_routes)``, each ``(B, H, L)``.
+
+        Bidirectional: one balanced partition, ``query_routes`` is None (a query's cluster is its own).
+        Causal: key clusters balanced per segment, query routes = nearest centroid.
+        ``real`` ``(B, L)`` bool (key padding, False = pad): padded keys are placed after the real ones
+        (``balanced_assignment``'s ``deferred``) and, causal, padded queries get route K (no centroid), so
+        they take no query slot from a real query.
+        """
+        pad = None if real is None else ~real.unsqueeze(1)  # (B, 1, L)
+        if not self.causal:
+            return self.kmeans.balanced(k, deferred=pad), None
+        routes = self.kmeans.nearest(k)
+        if real is not None:
+            routes = routes.masked_fill(pad, self.n_clusters)
+        return self.kmeans.balanced(k, group=self.segment_len(k.shape[-2]), deferred=pad), routes
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, H, L, D) unscaled q, k, v -> (B, H, L, D) via the subclass's ``_causal`` / ``_bidirectional``;
+        moves the centroids in training. ``key_padding_mask`` (B, L) bool, True = pad: only for subclasses
+        with ``supports_padding_mask`` (their ``_causal`` / ``_bidirectional`` take ``real``)."""
+        self.check_length(q.shape[-2])
+        if key_padding_mask is None:
+            key_clusters, query_routes = self.assign(k)
+            padding, real = {}, None
+        else:
+            self.check_padding_support()
+            real = ~key_padding_mask.to(device=k.device, dtype=torch.bool)
+            key_clusters, query_routes = self.assign(k, real)
+            padding = {"real": real}
+        if self.causal:
+            out = self._causal(q, k, v, key_clusters, query_routes, **padding)
+        else:
+            out = self._bidirectional(q, k, v, key_clusters, **padding)
+        self.kmeans.update(k, key_clusters, None if real is None else real.unsqueeze(1))
+        return out
+
+    def causal_direct_mask(
+        self, key_clusters: torch.Tensor, query_routes: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Dense causal direct keys (reference path, small L): ``(direct, earlier_segment, own_route)``.
+
+        ``direct`` ``(..., L, L)``: own segment up to self, plus (if routed) the key cluster of the query's
+        route in earlier segments; ``earlier_segment`` ``(L, L)``: seg(j) < seg(i); ``own_route``
+        ``(..., L, 1)``: the query's route, K where the query overflowed its centroid or has none (route K:
+        a padded query).
+        """
+        L, K = key_clusters.shape[-1], self.n_clusters
+        device = key_clusters.device
+        segment = torch.arange(L, device=device) // self.segment_len(L)
+        past = causal_mask(L, device)
+        same_segment = segment.unsqueeze(1) == segment.unsqueeze(0)
+        earlier_segment = segment.unsqueeze(0) < segment.unsqueeze(1)
+        routed = (cluster_order(query_routes, K + 1)[1] < L // K) & (query_routes < K)  # (..., L)
+        own_route = torch.where(routed, query_routes, K).unsqueeze(-1)  # K = "no cluster"
+        direct = past & (same_segment | (earlier_segment & (key_clusters.unsqueeze(-2) == own_route)))
+        return direct, earlier_segment, own_route
+
+    def _blocks(self, order: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
+        """Gather ``(B, H, L, D)`` tensors into cluster blocks ``(B, H, K, S, D)`` along ``order``."""
+        B, H, L, D = xs[0].shape
+        index = order.unsqueeze(-1).expand(B, H, L, D)
+        return [x.gather(2, index).view(B, H, self.n_clusters, L // self.n_clusters, D) for x in xs]
+
+    @staticmethod
+    def _unblock(order: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Cluster-block outputs (any shape holding ``(B, H, L, D)`` in ``order``) back to position order."""
+        B, H, L = order.shape
+        D = out.shape[-1]
+        inverse = torch.empty_like(order).scatter_(2, order, torch.arange(L, device=order.device).expand_as(order))
+        return out.view(B, H, L, D).gather(2, inverse.unsqueeze(-1).expand(B, H, L, D))
+
+
+class CausalClusterSlots:
+    """The direct part of the causal k-means partition, vectorized (``routing`` and ``combiner_routing``).
+
+    Query i in segment g attends directly to its own segment up to itself, plus (if routed) the members of
+    its key cluster in segments < g. Query slots: the first S = L / K queries routed to centroid c take
+    slots c*S + rank in it; the rest overflow into bin K*S (no own-cluster keys), as do queries with
+    route K (no centroid: padded queries).
+
+    Args:
+        query_routes: ``(B, H, L)`` nearest-centroid ids in ``[0, K]``.
+        n_clusters: K.
+        segment_len: causal segment length M.
+    """
+
+    def __init__(self, query_routes: torch.Tensor, n_clusters: int, segment_len: int) -> None:
+        B, H, L = query_routes.shape
+        K, S = n_clusters, L // n_clusters
+        device = query_routes.device
+        self.n_clusters, self.segment_len = K, segment_len
+        _, rank = cluster_order(query_routes, K + 1)
+        self.routed = (rank < S) & (query_routes < K)  # (B, H, L)
+        self.slot = torch.where(self.routed, query_routes * S + rank, K * S)  # (B, H, L); K*S = overflow bin
+        positions = torch.arange(L, device=device).expand(B, H, L)
+        slot_query = torch.zeros(B, H, K * S + 1, dtype=torch.long, device=device).scatter_(2, self.slot, positions)
+        slot_used = torch.zeros(B, H, K * S + 1, dtype=torch.bool, device=device).scatter_(2, self.slot, True)
+        self.slot_query = slot_query[..., :-1].view(B, H, K, S)  # position of the query in each slot
+        self.slot_used = slot_used[..., :-1].view(B, H, K, S)
+
+    def logits(self, qs: torch.Tensor, k: torch.Tensor, k_blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Direct logits ``(cluster_logits (B, H, L, S), segment_logits (B, H, n, M, M))``.
+
+        qs: ``(B, H, L, D)`` scaled queries; k: ``(B, H, L, D)`` keys; k_blk: ``(B, H, K, S, D)`` key cluster
+        blocks in position order (member t of a cluster lies in segment t // (M / K)). Masked entries are -inf.
+        """
+        B, H, L, D = qs.shape
+        K, M = self.n_clusters, self.segment_len
+        S, n = L // K, L // M
+        device, neg_inf = qs.device, NEG_INF
+        member_segment = torch.arange(S, device=device) // (M // K)  # (S,)
+
+        # own cluster, earlier segments: slot queries x their cluster's block
+        q_slot = qs.gather(2, self.slot_query.view(B, H, K * S, 1).expand(B, H, K * S, D)).view(B, H, K, S, D)
+        cluster_allowed = (member_segment < (self.slot_query // M).unsqueeze(-1)) & self.slot_used.unsqueeze(-1)
+        cluster_logits = (q_slot @ k_blk.transpose(-1, -2)).masked_fill_(~cluster_allowed, neg_inf)  # (B, H, K, S, S)
+        # back to query order; overflow queries read an all -inf row
+        cluster_logits = torch.cat([cluster_logits.view(B, H, K * S, S), cluster_logits.new_full((B, H, 1, S), neg_inf)], 2)
+        cluster_logits = cluster_logits.gather(2, self.slot.unsqueeze(-1).expand(B, H, L, S))
+
+        # own segment up to self
+        q_seg, k_seg = qs.view(B, H, n, M, D), k.view(B, H, n, M, D)
+        causal = causal_mask(M, device)
+        segment_logits = (q_seg @ k_seg.transpose(-1, -2)).masked_fill_(~causal, neg_inf)
+        return cluster_logits, segment_logits
+
+    def cluster_output(self, w_cluster: torch.Tensor, v_blk: torch.Tensor) -> torch.Tensor:
+        """Own-cluster part of the output: weights ``(B, H, L, S)`` x value blocks ``(B, H, K, S, D)`` ->
+        ``(B, H, L, D)`` in query order (zero for overflow queries)."""
+        B, H, K, S, D = v_blk.shape
+        L = w_cluster.shape[2]
+        w_slot = w_cluster.gather(2, self.slot_query.view(B, H, K * S, 1).expand(B, H, K * S, S)).view(B, H, K, S, S)
+        out_slot = (w_slot.masked_fill(~self.slot_used.unsqueeze(-1), 0.0) @ v_blk).view(B, H, K * S, D)
+        out_slot = torch.cat([out_slot, out_slot.new_zeros(B, H, 1, D)], 2)
+        return out_slot.gather(2, self.slot.unsqueeze(-1).expand(B, H, L, D))
