@@ -216,6 +216,16 @@ def test_padded_task_rejects_attention_without_padding_support(tmp_path):
     assert build_module(cfg).net.blocks[0].attn.attention.name == "performer"
 
 
+def test_classifier_rejects_image_position_tables_instead_of_rewriting_them(tmp_path):
+    from longseq.utils.errors import ConfigError
+
+    cfg = compose_config(["task=lra_listops", "task.seq_len=64"], tmp_path)
+    assert build_module(cfg).net.pos_emb == "sinusoidal"  # model.pos_emb follows task.pos_emb
+    cfg = compose_config(["task=lra_listops", "task.seq_len=64", "model.pos_emb=image"], tmp_path)
+    with pytest.raises(ConfigError, match=r"model\.pos_emb: image does not fit task=lra_listops"):
+        build_module(cfg)
+
+
 def test_lra_experiments_compose(tmp_path):
     for protocol, layers, pooling in (("lra", 4, "cls"), ("lra_small", 2, "mean")):
         cfg = compose_config([f"experiment={protocol}/listops"], tmp_path, fast=False)

@@ -344,7 +344,7 @@ def test_acceptance_style_local_file_run_uses_the_90_5_5_split(make_cfg, tmp_pat
     dm.setup("fit")
     assert [len(dm.streams[s]) for s in ("train", "val", "test")] == [9_000, 500, 500]
     module = build_module(cfg)
-    assert module.net.pos_emb == "learned"  # the image position table is replaced for text
+    assert module.net.pos_emb == "learned"  # text tasks set no task.pos_emb: the model default
     assert module.net.blocks[0].attn.attention.name == "combiner_fixed"
 
 

@@ -30,6 +30,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from longseq.data.lra.common import PAD_ID
 from longseq.tasks.base import SequenceTask, to_dict
+from longseq.utils.errors import ConfigError
 
 POOLINGS = ("cls", "mean")
 
@@ -45,8 +46,6 @@ class ClassificationTask(SequenceTask):
         padded: documents are padded: pass the key padding mask (needs ``supports_padding_mask``).
         dual: two documents per example (retrieval), shared encoder, ``[u, v, u*v, u-v]`` interaction.
         mlp_dim: hidden width of the head (default ``model.mlp_ratio * model.d_model``, LRA's ``mlp_dim``).
-        pos_emb: 1-D position embedding used when ``model.pos_emb`` is the image default (``learned`` or
-            ``sinusoidal``); an explicit ``model.pos_emb`` wins.
         name: task name, for error messages.
     """
 
@@ -54,12 +53,13 @@ class ClassificationTask(SequenceTask):
 
     def __init__(self, model: dict, attention: dict, optimizer: dict, scheduler: dict | None, vocab_size: int,
                  seq_len: int, num_classes: int, pooling: str = "mean", padded: bool = False, dual: bool = False,
-                 mlp_dim: int | None = None, pos_emb: str = "learned", name: str = "lra") -> None:
+                 mlp_dim: int | None = None, name: str = "lra") -> None:
         if pooling not in POOLINGS:
             raise ValueError(f"task.pooling={pooling!r} is not valid; choose one of {POOLINGS}")
         model = dict(to_dict(model))
-        if model.get("pos_emb") == "image":  # row/column/channel embeddings do not fit a CLS slot or text
-            model["pos_emb"] = pos_emb
+        if model.get("pos_emb") == "image":  # row/column/channel tables fit neither a CLS slot nor text
+            raise ConfigError("model.pos_emb", f"image does not fit task={name} (a classifier over a 1-D sequence); "
+                                               "choose learned, sinusoidal or none (task.pos_emb sets the default)")
         super().__init__(model, attention, optimizer, scheduler, vocab_size=vocab_size + 1, seq_len=seq_len, out_dim=1)
         self.net.head = nn.Identity()  # the classifier below replaces the per-token output layer
         self.pooling, self.padded, self.dual = pooling, padded, dual
