@@ -30,6 +30,9 @@ VARIANTS = [(name, {}) for name in DECODERS] + [
         ("combiner_fixed", {"summary": "mean"}), ("combiner_fixed", {"summary": "deepsets_max"}),
         ("combiner_logsparse", {"summary": "deepsets_mean"}), ("combiner_mixture", {"plans": "average"}),
         ("combiner_axial_horizontal", {"horizontal_regions": "split"}), ("combiner_axial_vertical", {"summary": "mean"}),
+        ("combiner_routing", {"summary": "mean"}), ("combiner_routing", {"summary": "deepsets_max"}),
+        ("combiner_routing", {"summary": "deepsets_mean"}), ("combiner_routing", {"n_clusters": 8}),
+        ("combiner_routing", {"n_clusters": 2}), ("routing", {"n_clusters": 8}),
     ] if name in DECODERS
 ]
 
@@ -68,3 +71,24 @@ def test_bidirectional_builds_refuse(name):
     attn = build(name, False)
     with pytest.raises(DecodingNotSupported, match=rf"'{name}'.*bidirectional.*recompute"):
         attn.new_state(2, 16, device="cpu", dtype=torch.float64)
+
+
+@pytest.mark.parametrize("name", ["routing", "combiner_routing"])
+def test_clustered_decoding_replays_overflowing_routes_and_keeps_centroids(name):
+    """k-means partitions: keys crowded near one centroid make most queries overflow their centroid's S slots
+    (routed and overflowing queries both occur); steps still equal forward, and the centroids do not move."""
+    attn = build(name, True, seq_len=L, block_size=BLOCK).double().eval()
+    q, k, v = random_qkv(B=2, H=2, L=L, D=8, seed=3)
+    k = k + 3.0 * attn.kmeans.centroids.double()[:, :1].unsqueeze(0)  # pull every key toward centroid 0
+    centroids = attn.kmeans.centroids.clone()
+    with torch.no_grad():
+        key_clusters, routes = attn.assign(k)
+        routed = attn.causal_direct_mask(key_clusters, routes)[2].squeeze(-1) < attn.n_clusters
+        assert routed.any() and (~routed).sum() > L // 2, "the geometry must exercise overflow"
+        expected = attn(q, k, v)
+        state = attn.new_state(2, L, device=q.device, dtype=q.dtype)
+        out = torch.cat([attn.prefill(state, q[..., :5, :], k[..., :5, :], v[..., :5, :])]
+                        + [attn.step(state, q[..., t : t + 1, :], k[..., t : t + 1, :], v[..., t : t + 1, :])
+                           for t in range(5, L)], -2)
+    torch.testing.assert_close(out, expected, atol=1e-9, rtol=0)
+    assert torch.equal(attn.kmeans.centroids, centroids)

@@ -41,6 +41,15 @@ query, pooled key, inner softmax), and a cluster (or causal region R(c, g)) with
 Causal padded queries are routed nowhere (route K: they take no query slot), and only real keys move the
 centroids in training. A query left with nothing (only a padded one can be) falls back to its unpadded
 direct keys. ``attention_matrix`` applies the shared rule ``Partition.without_padding`` per document.
+
+Incremental decoding (causal; ``ClusteredAttention.step``, state ``clustering.ClusteredState``): exact, since
+nothing depends on the future. A step at position t in segment g routes its key to the nearest centroid
+(its slot from a running per-centroid count) and runs one softmax over the own cluster's members in segments
+< g (at most S = L / K), the own segment up to t (at most M) and the K cached summaries of R(c, g):
+O((L / K + M + K) D). When segment g completes, its M keys are clustered once (balanced assignment, as in
+``forward``) into the cluster blocks, and the summaries of R(c, g + 1) are computed once
+(``_segment_completed``: running max / mean pools advanced by one chunk, one inner softmax per cluster over
+its members so far, O(t D)), i.e. amortized O(t D / M) per step. The centroids do not move (eval mode).
 """
 
 from __future__ import annotations
@@ -275,6 +284,39 @@ class CombinerRoutingAttention(ClusteredAttention):
         shifted = torch.cat([running[:, :, :, :1], running[:, :, :, :-1]], 3)
         occupied = torch.cat([torch.zeros_like(count[:, :, :, :1]), count[:, :, :, :-1]], 3) > 0
         return shifted, occupied.squeeze(-1)
+
+    # -- incremental decoding (``ClusteredAttention.step`` drives it) -------------------------------
+    def _segment_completed(self, state, g, q_chunk, k_chunk):
+        """Segment g completed: the summaries of R(c, g + 1) = cluster c's members in segments <= g, for every c.
+
+        The running pools (max of chunk maxes / sum of chunk means over g + 1 equal chunks, as ``_segment_prefix``)
+        advance by one chunk; the inner softmax of each pooled query runs over the cluster's (g + 1) M / K members
+        so far. Cost O(t D) once per segment (t = (g + 1) M), cached in ``state.summary``."""
+        chunk_q = self.summary.reduce_over(self.summary.query_features(q_chunk), 3)  # (B, H, K, D)
+        chunk_k = self.summary.reduce_over(self.summary.key_features(k_chunk), 3)
+        cache = state.summary
+        if g == 0:
+            cache["q_pool"], cache["k_pool"] = chunk_q, chunk_k
+        elif self.summary.reduce == "max":
+            cache["q_pool"], cache["k_pool"] = torch.maximum(cache["q_pool"], chunk_q), torch.maximum(cache["k_pool"], chunk_k)
+        else:  # running sums of equal-size chunk means, divided below
+            cache["q_pool"], cache["k_pool"] = cache["q_pool"] + chunk_q, cache["k_pool"] + chunk_k
+        count = 1 if self.summary.reduce == "max" else g + 1
+        q_bar, k_bar = cache["q_pool"] / count, cache["k_pool"] / count
+        members = (g + 1) * (state.segment // self.n_clusters)
+        k_members, v_members = state.k_blk[:, :, :, :members], state.v_blk[:, :, :, :members]  # (B, H, K, m, D)
+        inner = (q_bar.unsqueeze(3) @ k_members.transpose(-1, -2)).softmax(-1)  # (B, H, K, 1, m)
+        cache["k_bar"], cache["v_bar"] = k_bar, (inner @ v_members).squeeze(3)  # (B, H, K, D)
+
+    def _decoding_summaries(self, state, qs, own_route, g):
+        """Summary logits ``(B, H, 1, K)`` and values ``(B, H, K, D)`` of R(c, g) for a query of segment g >= 1
+        (its own routed cluster masked); None in segment 0 (no regions)."""
+        if g == 0:
+            return None
+        k_bar, v_bar = state.summary["k_bar"], state.summary["v_bar"]
+        other = torch.arange(self.n_clusters, device=qs.device) != own_route.unsqueeze(-1)  # (B, H, K)
+        logits = (qs @ k_bar.transpose(-1, -2)).masked_fill(~other.unsqueeze(-2), NEG_INF)
+        return logits, v_bar
 
     # -- reference --------------------------------------------------------------------------------
     def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

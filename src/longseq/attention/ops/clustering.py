@@ -25,17 +25,28 @@ only real positions move the centroids.
 Shared by ``routing`` and ``combiner_routing``: ``ClusteredAttention`` (their common base: knobs, causal
 segment length, assignment, cluster blocks, forward dispatch, dense causal direct mask) and
 ``CausalClusterSlots`` (the vectorized causal direct keys: own cluster in earlier segments + own segment).
+
+Incremental decoding (``ClusteredState``, ``ClusteredAttention.step``) replays the causal forward exactly:
+a position's query route and slot come from a running per-centroid count (its rank among same-route
+queries), and a segment's key clusters are computed ONCE, by the same balanced assignment, when its last key
+arrives (queries inside a segment attend to their own segment directly, so they never need its clusters).
+Eval mode: the centroids do not move (``OnlineKMeans.update`` is a no-op), and a step never moves them.
+The geometry (S = L / K query slots per centroid, segment length M) is that of ``max_len``: a state reproduces
+``forward`` over ``max_len`` positions (this forward is not prefix-consistent: a shorter sequence has fewer
+slots per centroid), so decode with ``max_len`` = the length the model runs at (the backbone's default).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from longseq.attention.base import Attention, AttentionConfigError, divisors
+from longseq.attention.ops.decoding import DecodingState
 from longseq.attention.ops.geometry import check_block_size, cluster_order
 from longseq.attention.ops.masks import NEG_INF, causal_mask
 
@@ -196,6 +207,41 @@ class OnlineKMeans(nn.Module):
         return f"n_clusters={self.n_clusters}, ema_decay={self.ema_decay}, seed={self.seed}"
 
 
+@dataclass
+class ClusteredState(DecodingState):
+    """Decoding state of a causal k-means partition (``routing``, ``combiner_routing``) for ``max_len`` = L.
+
+    Attributes:
+        segment: causal segment length M (``segment_len(max_len)``).
+        q, k, v: scaled queries, keys, values of every position so far ``(B, H, L, D)`` (the own-segment
+            direct keys, and the members of a segment when it completes).
+        k_blk, v_blk: key cluster blocks ``(B, H, K, S, D)``, S = L / K, filled one chunk of M / K members per
+            completed segment (member t of a cluster lies in segment t // (M / K), as in ``forward``).
+        route_count: ``(B, H, K)`` queries routed to each centroid so far (a query is "routed", i.e. gets a
+            slot, while its centroid's count is below S).
+        summary: the variant's cached summaries of completed regions (``combiner_routing``), else empty.
+    """
+
+    segment: int = 0
+    n_clusters: int = 1
+    q: torch.Tensor | None = None
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    k_blk: torch.Tensor | None = None
+    v_blk: torch.Tensor | None = None
+    route_count: torch.Tensor | None = None
+    summary: dict | None = None
+
+    def allocate(self, q: torch.Tensor, v: torch.Tensor) -> None:
+        B, H, _, D = q.shape
+        K, S, Dv = self.n_clusters, self.max_len // self.n_clusters, v.shape[-1]
+        zeros = lambda *shape: torch.zeros(*shape, device=self.device, dtype=self.dtype)  # noqa: E731
+        self.q, self.k, self.v = zeros(B, H, self.max_len, D), zeros(B, H, self.max_len, D), zeros(B, H, self.max_len, Dv)
+        self.k_blk, self.v_blk = zeros(B, H, K, S, D), zeros(B, H, K, S, Dv)
+        self.route_count = torch.zeros(B, H, K, dtype=torch.long, device=self.device)
+        self.summary = {}
+
+
 class ClusteredAttention(Attention):
     """Geometry shared by the k-means partitions (``routing`` and ``combiner_routing``).
 
@@ -303,6 +349,77 @@ class ClusteredAttention(Attention):
         own_route = torch.where(routed, query_routes, K).unsqueeze(-1)  # K = "no cluster"
         direct = past & (same_segment | (earlier_segment & (key_clusters.unsqueeze(-2) == own_route)))
         return direct, earlier_segment, own_route
+
+    # -- incremental decoding (causal) ------------------------------------------------------------
+    # Per step at position t (segment g = t // M): O((S + M + K) D) for one softmax over the own cluster's
+    # members in earlier segments (S = L / K), the own segment so far and (Combiner) the K cluster summaries;
+    # plus, once per segment, the balanced assignment of its M keys and the variant's ``_segment_completed``.
+    supports_decoding = True
+
+    def init_decoding_state(self, batch_size: int, max_len: int, device, dtype) -> ClusteredState:
+        return ClusteredState(batch_size, max_len, device, dtype, segment=self.segment_len(max_len),
+                              n_clusters=self.n_clusters)
+
+    def step(self, state: ClusteredState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One position: q, k, v ``(B, H, 1, D)`` unscaled -> ``(B, H, 1, D)``, equal to the causal ``forward``'s
+        output there for a sequence of ``state.max_len`` positions (eval mode; the centroids are not moved)."""
+        t = state.reserve(q, 1)
+        if state.q is None:
+            state.allocate(q, v)
+        B, H, _, D = q.shape
+        K, M, S = self.n_clusters, state.segment, state.max_len // self.n_clusters
+        g, start = t // M, (t // M) * M
+        qs = self.scale(q)
+        state.q[:, :, t], state.k[:, :, t], state.v[:, :, t] = qs[:, :, 0], k[:, :, 0], v[:, :, 0]
+        state.length = t + 1
+
+        # query route: nearest centroid of the position's key; a slot while fewer than S came before it
+        route = self.kmeans.nearest(k)[..., 0]  # (B, H)
+        routed = state.route_count.gather(-1, route.unsqueeze(-1)).squeeze(-1) < S
+        state.route_count.scatter_add_(-1, route.unsqueeze(-1), torch.ones_like(route.unsqueeze(-1)))
+
+        # direct: own cluster's members in segments < g (if routed) | own segment up to t
+        pick = route.view(B, H, 1, 1, 1)
+        own_k = state.k_blk.gather(2, pick.expand(B, H, 1, S, D)).squeeze(2)  # (B, H, S, D)
+        own_v = state.v_blk.gather(2, pick.expand(B, H, 1, S, state.v_blk.shape[-1])).squeeze(2)
+        earlier = torch.arange(S, device=q.device) < g * (M // K)
+        cluster_logits = (qs @ own_k.transpose(-1, -2)).masked_fill(~(earlier & routed.unsqueeze(-1)).unsqueeze(-2), NEG_INF)
+        segment_k, segment_v = state.k[:, :, start : t + 1], state.v[:, :, start : t + 1]
+        logits = [cluster_logits, qs @ segment_k.transpose(-1, -2)]
+        values = [own_v, segment_v]
+        summaries = self._decoding_summaries(state, qs, torch.where(routed, route, K), g)
+        if summaries is not None:
+            logits.append(summaries[0])
+            values.append(summaries[1])
+        out = torch.cat(logits, -1).softmax(-1) @ torch.cat(values, -2)
+
+        if t == start + M - 1:  # the segment completed: cluster its keys once
+            self._complete_segment(state, g)
+        return out
+
+    def _complete_segment(self, state: ClusteredState, g: int) -> None:
+        """Cluster segment ``g``'s keys (balanced, as ``assign``) into chunk g of the cluster blocks."""
+        K, M = self.n_clusters, state.segment
+        per_segment = M // K
+        span = slice(g * M, (g + 1) * M)
+        order, _ = cluster_order(self.kmeans.balanced(state.k[:, :, span]), K)  # (B, H, M)
+        B, H = order.shape[:2]
+
+        def blocks(x: torch.Tensor) -> torch.Tensor:
+            return x[:, :, span].gather(2, order.unsqueeze(-1).expand(B, H, M, x.shape[-1])).view(B, H, K, per_segment, -1)
+
+        chunk = slice(g * per_segment, (g + 1) * per_segment)
+        state.k_blk[:, :, :, chunk], state.v_blk[:, :, :, chunk] = blocks(state.k), blocks(state.v)
+        self._segment_completed(state, g, blocks(state.q), blocks(state.k))
+
+    def _decoding_summaries(self, state: ClusteredState, qs: torch.Tensor, own_route: torch.Tensor,
+                            g: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Extra (logits ``(B, H, 1, R)``, values ``(B, H, R, D)``) of a step in segment ``g`` joining the
+        softmax; ``own_route`` ``(B, H)``: the routed cluster, K when overflowed. None: direct keys only."""
+        return None
+
+    def _segment_completed(self, state: ClusteredState, g: int, q_chunk: torch.Tensor, k_chunk: torch.Tensor) -> None:
+        """Hook: segment ``g``'s scaled queries and keys as cluster chunks ``(B, H, K, M / K, D)`` just arrived."""
 
     def _blocks(self, order: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
         """Gather ``(B, H, L, D)`` tensors into cluster blocks ``(B, H, K, S, D)`` along ``order``."""

@@ -16,6 +16,10 @@ Two decoders cover every variant that is "a joint softmax over some keys and som
   ``region_summaries`` hook; a step then costs one softmax over its direct keys and usable summaries,
   O((K_direct + K_regions) D) (e.g. O((m + n) D) for the sqrt(L) factorizations, O((1 + log L) D) for
   LogSparse), plus the summaries completing at that step.
+
+The k-means partitions (``routing``, ``combiner_routing``) are data-dependent, so no static table describes
+them: ``clustering.ClusteredAttention.step`` replays their causal forward with a ``clustering.ClusteredState``
+(running query-route counts, each segment's keys clustered once when it completes, cached cluster summaries).
 """
 
 from __future__ import annotations

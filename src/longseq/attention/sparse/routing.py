@@ -17,6 +17,11 @@ centroids follow an EMA (decay ``ema_decay``) of their members. Queries and keys
 
 Both forms are one softmax per query over the gathered keys; ``attention_matrix`` writes the same
 weights densely (rows sum to 1, ``forward == P @ v``). The clustering is not differentiable.
+
+Incremental decoding (causal; ``ClusteredAttention.step``, shared with ``combiner_routing``): exact. A step at
+position t routes its key to the nearest centroid (slot from a running per-centroid count) and runs one
+softmax over the own cluster's members in earlier segments (at most L / K) and its own segment up to t (at
+most M): O((L / K + M) D); each segment's M keys are clustered once, when the segment completes.
 """
 
 from __future__ import annotations
