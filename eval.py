@@ -1,5 +1,6 @@
 """Evaluate a checkpoint with the config of the run that produced it:
-``python eval.py ckpt_path=logs/train/runs/<run>/checkpoints/best.ckpt [split=val]``.
+``python eval.py ckpt_path=logs/train/runs/<run>/checkpoints/best.ckpt [split=val]``, or sample from it:
+``python eval.py ckpt_path=... mode=sample [sample.n=16] [sample.cache=false] [sample.out_dir=<dir>]``.
 
 Errors print as one line, ``error: <key>: <message>`` (``HYDRA_FULL_ERROR=1``: full traceback).
 """
@@ -12,7 +13,7 @@ os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parent))
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from longseq.runner import evaluate  # noqa: E402
+from longseq.runner import check_eval_mode, evaluate, sample  # noqa: E402
 from longseq.utils.config import register_resolvers  # noqa: E402
 from longseq.utils.console import full_errors, report_and_exit  # noqa: E402
 
@@ -22,6 +23,10 @@ register_resolvers()
 @hydra.main(version_base="1.3", config_path="conf", config_name="eval")
 def main(cfg: DictConfig) -> None:
     try:
+        if check_eval_mode(cfg.get("mode", "evaluate")) == "sample":
+            for name, path in sample(cfg).items():
+                print(f"{name}: {path}")
+            return
         metrics = evaluate(cfg)
     except Exception as exc:
         if full_errors():

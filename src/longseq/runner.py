@@ -288,10 +288,15 @@ def test_checkpoint(cfg: DictConfig, trainer: L.Trainer, trained: bool) -> str |
     return best or last_checkpoint(trainer)
 
 
+def run_directory(ckpt_path: str | Path, run_dir: str | Path | None = None) -> Path:
+    """The training run a checkpoint belongs to: ``run_dir`` when given, else the checkpoint's grandparent."""
+    return Path(run_dir) if run_dir else Path(ckpt_path).resolve().parent.parent
+
+
 def load_run_config(ckpt_path: str | Path, run_dir: str | Path | None = None) -> DictConfig:
     """The resolved config a checkpoint was trained with (``<run>/config_resolved.yaml``)."""
     ckpt_path = Path(ckpt_path)
-    run_dir = Path(run_dir) if run_dir else ckpt_path.resolve().parent.parent
+    run_dir = run_directory(ckpt_path, run_dir)
     path = run_dir / RESOLVED_CONFIG
     if not path.is_file():
         raise ConfigError("run_dir", f"{path} not found: {ckpt_path} is not inside a training run directory "
@@ -299,8 +304,8 @@ def load_run_config(ckpt_path: str | Path, run_dir: str | Path | None = None) ->
     return OmegaConf.load(path)
 
 
-def evaluate(cfg: DictConfig) -> dict[str, float]:
-    """Test ``cfg.ckpt_path`` on its own task (val or test split) with the run's saved config."""
+def load_checkpoint_run(cfg: DictConfig, map_location: str = "cpu") -> tuple[L.LightningDataModule, L.LightningModule]:
+    """The datamodule and the trained module of ``cfg.ckpt_path``, built from its run's saved config (eval.py)."""
     register_resolvers()
     read_checkpoint(cfg.ckpt_path)  # a missing or truncated file is named before the run dir is consulted
     run_cfg = load_run_config(cfg.ckpt_path, cfg.get("run_dir"))
@@ -308,7 +313,12 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         L.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = hydra.utils.instantiate(run_cfg.task.data)
     module_cls = hydra.utils.get_class(run_cfg.task.module._target_)
-    module = module_cls.load_from_checkpoint(cfg.ckpt_path, map_location="cpu", weights_only=False)
+    return datamodule, module_cls.load_from_checkpoint(cfg.ckpt_path, map_location=map_location, weights_only=False)
+
+
+def evaluate(cfg: DictConfig) -> dict[str, float]:
+    """Test ``cfg.ckpt_path`` on its own task (val or test split) with the run's saved config."""
+    datamodule, module = load_checkpoint_run(cfg)
     loggers = instantiate_group(cfg.get("logger"))
     trainer = build_trainer(cfg, [], loggers)
     try:
@@ -317,6 +327,51 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         return {k: float(v) for k, v in trainer.callback_metrics.items()}
     finally:
         close_loggers()
+
+
+EVAL_MODES = ("evaluate", "sample")  # eval.py mode=
+
+
+def check_eval_mode(mode: Any) -> str:
+    """``mode`` of ``eval.py`` when valid, else a ``ConfigError`` naming the key and the valid values."""
+    if mode not in EVAL_MODES:
+        raise ConfigError("mode", f"{mode!r} is not valid; choose one of {EVAL_MODES}")
+    return mode
+
+
+def sample(cfg: DictConfig) -> dict[str, str]:
+    """``eval.py mode=sample``: generate from ``cfg.ckpt_path`` with the config of the run that produced it.
+
+    Image tasks write ``samples.png``, ``samples.npz`` and ``completions.png``; LM tasks print their
+    continuations of ``sample.prompt`` and save ``samples.txt`` (``longseq.tasks.sampling``). Everything goes to
+    ``sample.out_dir`` (default ``<run>/samples/``). Returns the written files by name.
+    """
+    from longseq.models.transformer import check_positive_int
+    from longseq.tasks.sampling import write_image_samples, write_text_samples
+
+    spec = cfg.sample
+    for key in ("n", "k", "tokens"):
+        if spec.get(key) is not None:
+            check_positive_int(f"sample.{key}", spec[key])
+    out_dir = Path(spec.out_dir) if spec.get("out_dir") else run_directory(cfg.ckpt_path, cfg.get("run_dir")) / "samples"
+    device = "cuda" if torch.cuda.is_available() and cfg.trainer.get("accelerator") in ("auto", "gpu", "cuda") else "cpu"
+    datamodule, module = load_checkpoint_run(cfg, map_location=device)
+    module.eval()
+    generator = torch.Generator(device=device).manual_seed(int(cfg.get("seed") or 0))
+    image_task = hasattr(module, "num_levels") and callable(getattr(module, "sample", None))
+    if not image_task and not callable(getattr(module, "generate", None)):
+        raise ConfigError("mode", f"sample needs an image density or a causal LM task; {type(module).__name__} "
+                                  "(task.module._target_ of the run) cannot generate: use mode=evaluate")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if image_task:
+        return write_image_samples(module, datamodule, n=spec.n or 16, temperature=spec.temperature,
+                                   cache=bool(spec.cache), out_dir=out_dir, generator=generator,
+                                   completions=int(spec.completions), k=int(spec.k),
+                                   prompt_fraction=spec.prompt_fraction)
+    write_text_samples(module, datamodule, prompt=str(spec.prompt), n=spec.n or 1, tokens=spec.tokens,
+                       temperature=spec.temperature, top_k=spec.top_k, cache=bool(spec.cache), out_dir=out_dir,
+                       generator=generator)
+    return {"samples.txt": str(out_dir / "samples.txt")}
 
 
 def set_float32_precision() -> None:

@@ -2,15 +2,48 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
 
 from longseq.attention import build_attention
+from longseq.utils.errors import ConfigError
 
 POS_EMBEDDINGS = ("learned", "sinusoidal", "image", "none")
+
+
+def check_positive_int(key: str, value: Any) -> int:
+    """``value`` when it is an integer >= 1, else a ``ConfigError`` naming ``key`` (a model size, a length)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(key, f"must be an integer >= 1, got {value!r}")
+    return value
+
+
+def check_fraction(key: str, value: Any) -> float:
+    """``value`` when it is a probability in [0, 1) (a dropout rate), else a ``ConfigError`` naming ``key``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ConfigError(key, f"must be a number in [0, 1), got {value!r}")
+    return float(value)
+
+
+def check_backbone_sizes(vocab_size: Any, seq_len: Any, n_layers: Any, d_model: Any, n_heads: Any, mlp_ratio: Any,
+                         dropout: Any, attn_dropout: Any) -> None:
+    """Reject backbone sizes that cannot build a working model, naming the config key (``model.n_layers=0``
+    would otherwise train an embedding-only model without a word)."""
+    for key, value in (("task.vocab_size", vocab_size), ("task.seq_len", seq_len), ("model.n_layers", n_layers),
+                       ("model.d_model", d_model), ("model.n_heads", n_heads)):
+        check_positive_int(key, value)
+    if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, (int, float)) or not 0 < mlp_ratio < math.inf \
+            or int(mlp_ratio * d_model) < 1:
+        raise ConfigError("model.mlp_ratio", f"must be a number > 0 with mlp_ratio x model.d_model >= 1, got {mlp_ratio!r}")
+    check_fraction("model.dropout", dropout)
+    check_fraction("model.attn_dropout", attn_dropout)
+    if d_model % n_heads:
+        raise ConfigError("model.n_heads", f"model.d_model={d_model} must be divisible by model.n_heads={n_heads}")
 
 
 class MultiHeadAttention(nn.Module):
@@ -18,8 +51,8 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, seq_len: int, attention: Mapping[str, Any], attn_dropout: float) -> None:
         super().__init__()
-        if d_model % n_heads:
-            raise ValueError(f"model.d_model={d_model} must be divisible by model.n_heads={n_heads}")
+        if d_model % n_heads:  # checked with every size by check_backbone_sizes; kept for direct use of the layer
+            raise ConfigError("model.n_heads", f"model.d_model={d_model} must be divisible by model.n_heads={n_heads}")
         self.n_heads, self.head_dim = n_heads, d_model // n_heads
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)
@@ -29,16 +62,31 @@ class MultiHeadAttention(nn.Module):
             name, seq_len=seq_len, n_heads=n_heads, head_dim=self.head_dim, dropout=attn_dropout, **spec
         )
 
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, T, d_model) -> per-head q, k, v, each (B, H, T, D), unscaled."""
+        B, T, _ = x.shape
+        return self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+
+    def merge(self, y: torch.Tensor) -> torch.Tensor:
+        """(B, H, T, D) attention outputs -> (B, T, d_model) through the output projection."""
+        B, _, T, _ = y.shape
+        return self.out(y.transpose(1, 2).reshape(B, T, -1))
+
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``key_padding_mask`` (B, L) bool, True = padded key; only passed on when given, so variants
         without padding support keep their plain ``(q, k, v)`` signature."""
-        B, L, _ = x.shape
-        q, k, v = self.qkv(x).view(B, L, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = self.heads(x)
         if key_padding_mask is None:
             y = self.attention(q, k, v)  # (B, H, L, D)
         else:
             y = self.attention(q, k, v, key_padding_mask=key_padding_mask)
-        return self.out(y.transpose(1, 2).reshape(B, L, -1))
+        return self.merge(y)
+
+    def decode(self, x: torch.Tensor, state: Any, step: bool) -> torch.Tensor:
+        """(B, T, d_model) for the next T positions -> (B, T, d_model), through the attention's decoding
+        ``state``: ``attention.step`` for one new position (``step``), else ``attention.prefill``."""
+        q, k, v = self.heads(x)
+        return self.merge((self.attention.step if step else self.attention.prefill)(state, q, k, v))
 
 
 class Block(nn.Module):
@@ -59,6 +107,12 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.drop(self.attn(self.norm1(x), key_padding_mask))
         return x + self.drop(self.mlp(self.norm2(x)))
+
+    def decode(self, x: torch.Tensor, state: Any, step: bool) -> torch.Tensor:
+        """``forward`` for the next positions of ``x`` (B, T, d_model) through the layer's attention ``state``
+        (called in eval mode: dropout is off)."""
+        x = x + self.attn.decode(self.norm1(x), state, step)
+        return x + self.mlp(self.norm2(x))
 
 
 def sinusoidal_table(length: int, dim: int) -> torch.Tensor:
@@ -84,10 +138,33 @@ class ImagePositionEmbedding(nn.Module):
         for emb in (self.row, self.col, self.channel):
             nn.init.normal_(emb.weight, std=0.02)
 
-    def forward(self, length: int) -> torch.Tensor:
+    def forward(self, length: int, start: int = 0) -> torch.Tensor:
+        """(length, dim) embeddings of positions ``start .. start + length - 1``."""
         h, w, c = self.image_shape
-        pos = torch.arange(length, device=self.row.weight.device)
+        pos = torch.arange(start, start + length, device=self.row.weight.device)
         return self.row(pos // (w * c)) + self.col((pos // c) % w) + self.channel(pos % c)
+
+
+@dataclass
+class DecodingState:
+    """Incremental-decoding state of a ``Transformer``: one attention state per layer (``layers``), the
+    number of positions consumed so far (``length``, also the next position's index) and the most it may
+    consume (``max_len``). Made by ``Transformer.new_decoding_state``; tensors only, no parameters."""
+
+    layers: list[Any]
+    max_len: int
+    length: int = 0
+
+
+@contextlib.contextmanager
+def eval_mode(module: nn.Module) -> Iterator[None]:
+    """Run the body with ``module`` in eval mode (no dropout), restoring its mode afterwards."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
 
 
 class Transformer(nn.Module):
@@ -104,6 +181,11 @@ class Transformer(nn.Module):
         out_dim: head width (defaults to ``vocab_size``: next-token logits).
 
     ``forward(tokens (B, L) long) -> (B, L, out_dim)``; ``features`` returns the final-norm states.
+
+    Incremental decoding (sampling, generation; causal attentions with ``supports_decoding``):
+    ``state = new_decoding_state(B, max_len)``, then ``prefill(tokens (B, T), state) -> (B, T, out_dim)`` for
+    the first T positions and ``step(tokens (B,), state) -> (B, out_dim)`` per further position, equal to
+    ``forward``'s logits at those positions (in eval mode: dropout is off while decoding).
     """
 
     def __init__(self, vocab_size: int, seq_len: int, n_layers: int, d_model: int, n_heads: int,
@@ -111,8 +193,9 @@ class Transformer(nn.Module):
                  attn_dropout: float = 0.0, pos_emb: str = "learned",
                  image_shape: tuple[int, int, int] | None = None, out_dim: int | None = None) -> None:
         super().__init__()
+        check_backbone_sizes(vocab_size, seq_len, n_layers, d_model, n_heads, mlp_ratio, dropout, attn_dropout)
         if pos_emb not in POS_EMBEDDINGS:
-            raise ValueError(f"model.pos_emb={pos_emb!r} is not valid; choose one of {POS_EMBEDDINGS}")
+            raise ConfigError("model.pos_emb", f"{pos_emb!r} is not valid; choose one of {POS_EMBEDDINGS}")
         self.seq_len = seq_len
         self.token = nn.Embedding(vocab_size, d_model)
         nn.init.normal_(self.token.weight, std=0.02)
@@ -123,7 +206,8 @@ class Transformer(nn.Module):
             self.register_buffer("pos", sinusoidal_table(seq_len, d_model), persistent=False)
         elif pos_emb == "image":
             if image_shape is None or math.prod(image_shape) != seq_len:
-                raise ValueError(f"model.pos_emb=image needs task.image_shape with H*W*C == seq_len ({seq_len}); got {image_shape}")
+                raise ConfigError("model.pos_emb", f"image needs task.image_shape with H*W*C == seq_len ({seq_len}); "
+                                                   f"got {image_shape}")
             self.pos = ImagePositionEmbedding(tuple(image_shape), d_model)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(
@@ -132,12 +216,13 @@ class Transformer(nn.Module):
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, out_dim or vocab_size)
 
-    def positions(self, length: int) -> torch.Tensor | float:
+    def positions(self, length: int, start: int = 0) -> torch.Tensor | float:
+        """(length, d_model) position embeddings of positions ``start .. start + length - 1`` (or 0.0)."""
         if self.pos_emb == "image":
-            return self.pos(length)
+            return self.pos(length, start)
         if self.pos_emb == "none":
             return 0.0
-        return self.pos[:length]
+        return self.pos[start : start + length]
 
     def features(self, tokens: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B, L) tokens -> (B, L, d_model) final-norm hidden states.
@@ -154,3 +239,38 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.head(self.features(tokens, key_padding_mask))
+
+    # -- incremental decoding -------------------------------------------------------------------------
+    def new_decoding_state(self, batch_size: int, max_len: int | None = None) -> DecodingState:
+        """A decoding state for ``batch_size`` sequences of up to ``max_len`` positions (default ``seq_len``).
+
+        Raises ``longseq.attention.DecodingNotSupported`` (from the attention) when the attention has no
+        decoding state; callers then recompute the sequence instead (see ``longseq.tasks.sampling``).
+        """
+        max_len = self.seq_len if max_len is None else int(max_len)
+        if not 1 <= max_len <= self.seq_len:
+            raise ValueError(f"decoding length {max_len} must be in [1, task.seq_len={self.seq_len}]")
+        weight = self.token.weight
+        layers = [block.attn.attention.new_state(batch_size, max_len, device=weight.device, dtype=weight.dtype)
+                  for block in self.blocks]
+        return DecodingState(layers, max_len)
+
+    def prefill(self, tokens: torch.Tensor, state: DecodingState) -> torch.Tensor:
+        """(B, T) tokens at the next T positions -> (B, T, out_dim) logits (``forward``'s at those positions)."""
+        return self._decode(tokens, state, step=False)
+
+    def step(self, tokens: torch.Tensor, state: DecodingState) -> torch.Tensor:
+        """(B,) tokens at the next position -> (B, out_dim) logits; advances ``state`` by one position."""
+        return self._decode(tokens[:, None], state, step=True)[:, 0]
+
+    def _decode(self, tokens: torch.Tensor, state: DecodingState, step: bool) -> torch.Tensor:
+        start, count = state.length, tokens.shape[1]
+        if start + count > state.max_len:
+            raise ValueError(f"decoding past the state's max_len={state.max_len} (at position {start}, "
+                             f"{count} more token(s)); make a new state")
+        with eval_mode(self) if self.training else contextlib.nullcontext():
+            x = self.token(tokens) + self.positions(count, start)
+            for block, layer_state in zip(self.blocks, state.layers):
+                x = block.decode(x, layer_state, step)
+            state.length = start + count
+            return self.head(self.norm(x))

@@ -8,6 +8,7 @@ from torchmetrics import MinMetric
 
 from longseq.tasks.base import SequenceTask
 from longseq.tasks.metrics import BitsPerDim
+from longseq.tasks.sampling import autoregress, check_sampling, pick_next
 
 
 class DensityTask(SequenceTask):
@@ -69,18 +70,23 @@ class DensityTask(SequenceTask):
         self.log("test/bpd", self.test_bpd, on_step=False, on_epoch=True)
 
     @torch.no_grad()
-    def sample(self, n: int, temperature: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
+    def sample(self, n: int, temperature: float = 1.0, generator: torch.Generator | None = None, *,
+               prefix: torch.Tensor | None = None, cache: bool = True, progress: bool = False) -> torch.Tensor:
         """Batched autoregressive generation -> (n, H, W, C) uint8 images of levels in [0, num_levels).
 
-        Re-runs the full-length sequence for every sub-pixel (no KV cache): causal attention makes the
-        not-yet-sampled zeros invisible to position t, and every attention geometry sees its own length.
+        ``prefix`` (n, P) levels of the first P sub-pixels (raster order) are kept and the rest completed
+        (image completion). ``cache``: incremental decoding through the backbone's decoding state (falls
+        back to recomputing the sequence, with a warning, when the attention has none); ``progress``: a
+        progress bar with tokens/s. Dropout is off while sampling. See ``longseq.tasks.sampling``.
         """
-        was_training = self.training
-        self.eval()
-        L = self.net.seq_len
-        x = torch.zeros(n, L, dtype=torch.long, device=self.device)
-        for t in range(L):
-            logits = self.net(self.shifted_input(x))[:, t].float() / temperature
-            x[:, t] = torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(1)
-        self.train(was_training)
+        check_sampling(temperature)
+        start = torch.full((n, 1), self.start_token, dtype=torch.long, device=self.device)
+        inputs = start if prefix is None else torch.cat([start, prefix.to(self.device, torch.long)], dim=1)
+        given = inputs.shape[1] - 1
+        if not 0 <= given < self.net.seq_len:
+            raise ValueError(f"a prefix of {given} sub-pixels leaves nothing to sample (an image has {self.net.seq_len})")
+        new = autoregress(self.net, inputs, self.net.seq_len - given,
+                          lambda logits: pick_next(logits, temperature, generator=generator), cache=cache,
+                          progress=progress, description=f"sampling {n} image(s)")
+        x = new if prefix is None else torch.cat([inputs[:, 1:], new], dim=1)
         return x.view(n, *self.image_shape).to(torch.uint8)

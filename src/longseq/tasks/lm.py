@@ -16,6 +16,7 @@ from torchmetrics import MinMetric, SumMetric
 from longseq.data.text import IGNORE_INDEX
 from longseq.tasks.base import SequenceTask
 from longseq.tasks.metrics import MeanNLL
+from longseq.tasks.sampling import autoregress, check_sampling, pick_next
 
 METRICS = ("bpc", "ppl")
 
@@ -101,3 +102,16 @@ class CausalLMTask(TokenLossTask):
     def __init__(self, model: dict, attention: dict, optimizer: dict, scheduler: dict | None,
                  vocab_size: int, seq_len: int, metric: str = "ppl") -> None:
         super().__init__(model, attention, optimizer, scheduler, vocab_size, seq_len, metric)
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, n_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None, cache: bool = True, progress: bool = False) -> torch.Tensor:
+        """Continue ``prompt`` (B, P) token ids (P >= 1) by ``n_tokens`` sampled tokens -> (B, n_tokens).
+
+        Incremental decoding through the backbone's state (``cache``; recompute when the attention has none);
+        past ``task.seq_len`` the context slides (see ``longseq.tasks.sampling.autoregress``).
+        """
+        check_sampling(temperature, top_k)
+        return autoregress(self.net, prompt.to(self.device), n_tokens,
+                           lambda logits: pick_next(logits, temperature, top_k, generator), cache=cache,
+                           progress=progress, description=f"generating {n_tokens} tokens")
