@@ -56,6 +56,17 @@ def compose_config(overrides: list[str] | None = None, output_dir: Path | None =
     return cfg
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny fp64 ops: thread start-up dominates on a loaded 2-core machine (seconds instead of ms)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def make_cfg(tmp_path):
     """``make_cfg(overrides)`` -> a composed train config writing into ``tmp_path``."""

@@ -25,13 +25,7 @@ from longseq.tasks.xl_lm import IGNORE_INDEX, StreamSegments
 VOCAB, D_MODEL, HEADS, D_HEAD = 23, 16, 2, 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny fp64 ops: thread start-up dominates on a loaded 2-core machine (seconds instead of ms)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def tiny_xl(pre_lnorm: bool = False, cutoffs=(), seed: int = 0) -> TransformerXL:

@@ -30,12 +30,7 @@ SYMBOLS = ["<eos>"] + [f"w{i}" for i in range(1, VOCAB - 1)] + ["<unk>"]
 TRIPPED: list[str] = []
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def hf_config(**changes) -> dict:
