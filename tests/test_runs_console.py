@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -56,7 +57,8 @@ def test_wandb_run_is_resumed_by_id_in_place(make_cfg, tmp_path):
                           f"ckpt_path={last}"], tmp_path))
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(first) == 1 and len(runs) == 2
-    assert len({p.name.rsplit("-", 1)[-1] for p in runs}) == 1  # one W&B run id, resumed
+    # one W&B run id, resumed (a run resumed within the same second gets a "-1" suffix on its directory)
+    assert len({re.match(r"offline-run-\d{8}_\d{6}-([a-z0-9]+)", p.name).group(1) for p in runs}) == 1
 
 
 def test_xl_trams_evaluation_without_training_exits_zero(make_cfg, tmp_path):
@@ -118,3 +120,9 @@ def test_bench_warns_when_another_process_keeps_the_cpu_busy():
     quiet = StringIO()
     warn_if_busy(Console(file=quiet, width=200), 0.0, "before the run")
     assert quiet.getvalue() == ""
+
+
+def test_wandb_run_id_is_read_from_run_dirs_with_a_same_second_suffix():
+    assert runner.WANDB_RUN_DIR.match("offline-run-20261123_211251-21ava8er-1").group(1) == "21ava8er"
+    assert runner.WANDB_RUN_DIR.match("run-20261123_211251-abc123").group(1) == "abc123"
+    assert runner.WANDB_RUN_DIR.match("latest-run") is None

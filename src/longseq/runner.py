@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,8 @@ from longseq.utils.errors import ConfigError, NonFiniteError
 log = logging.getLogger(__name__)
 
 RESOLVED_CONFIG = "config_resolved.yaml"
+# W&B run directories: [offline-]run-<YYYYMMDD_HHMMSS>-<id>, plus "-<n>" when a resumed run starts in the same second.
+WANDB_RUN_DIR = re.compile(r"^(?:offline-)?run-\d{8}_\d{6}-([a-z0-9]+)")
 
 
 def instantiate_group(group: DictConfig | None) -> list[Any]:
@@ -134,8 +137,9 @@ def continue_loggers(cfg: DictConfig, output_dir: Path) -> None:
             target = str((node or {}).get("_target_", ""))
             if target.endswith("WandbLogger") and not node.get("id"):
                 runs = sorted((output_dir / "wandb").glob("*run-*-*"), key=lambda p: p.stat().st_mtime)
-                if runs:
-                    node.id = runs[-1].name.rsplit("-", 1)[-1]
+                ids = [m.group(1) for m in map(WANDB_RUN_DIR.match, (p.name for p in runs)) if m]
+                if ids:
+                    node.id = ids[-1]
                     node.resume = "allow"
                     log.info(f"resuming W&B run {node.id}")
             elif target.endswith("CSVLogger"):
