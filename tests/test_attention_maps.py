@@ -50,6 +50,22 @@ def test_train_writes_attention_maps_for_each_logger(make_cfg, tmp_path: Path, l
         assert len(media) == 2 and png_size(media[0]) == (width, height)
 
 
+@pytest.mark.parametrize("task", ["digits", "lra_listops", "enwik8"])
+def test_maps_have_their_own_frequency_key_on_every_task(make_cfg, task: str) -> None:
+    """``callbacks.attention_maps.every_n_epochs`` is the maps' own key (default 10) on every task: an image
+    task's sample-grid key does not move it, and tasks that cannot sample still get maps."""
+    import hydra
+
+    sample_key = ["task.sample_every_n_epochs=3"] if task == "digits" else []
+    default = hydra.utils.instantiate(make_cfg([f"task={task}", *sample_key]).callbacks.attention_maps)
+    assert isinstance(default, AttentionMaps) and default.every_n_epochs == 10
+    cfg = make_cfg([f"task={task}", "callbacks.attention_maps.every_n_epochs=2", *sample_key])
+    callback = hydra.utils.instantiate(cfg.callbacks.attention_maps)
+    epochs = [SimpleNamespace(sanity_checking=False, fast_dev_run=False, current_epoch=epoch,
+                              state=SimpleNamespace(fn="fit")) for epoch in range(4)]
+    assert [callback.due(trainer) for trainer in epochs] == [False, True, False, True]
+
+
 def test_maps_are_the_layers_own_attention_matrix_on_the_captured_example(tmp_path: Path) -> None:
     """The captured (q, k, v) of the chosen example give each layer's attention_matrix; hooks are removed."""
     torch.manual_seed(0)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 
 import pytest
 import torch
 from conftest import CONF, ROOT, compose_config
-from hydra.errors import InstantiationException
+from hydra.errors import ConfigCompositionException, InstantiationException
 from omegaconf import OmegaConf
 
 from longseq.attention import ATTENTION_REGISTRY, AttentionConfigError, build_attention
@@ -32,6 +33,11 @@ def test_task_composes_and_instantiates(task, tmp_path):
     module = build_module(cfg)
     assert module.net.seq_len == cfg.task.seq_len
     assert type(dm).__name__.lower().startswith(task.replace("_", "")[:5])
+    # The sample grid and its key come with the capability (an image density model), never as a dummy;
+    # attention maps are on for every task, with their own key.
+    can_sample = callable(getattr(module, "sample", None))
+    assert ("samples" in cfg.callbacks) is can_sample and ("sample_every_n_epochs" in cfg.task) is can_sample
+    assert cfg.callbacks.attention_maps.every_n_epochs == 10
 
 
 @pytest.mark.parametrize("attention", options("attention"))
@@ -109,6 +115,20 @@ def test_callbacks_and_loggers(group, tmp_path):
         objs = instantiate_group(cfg.get(group))
         expected = len([k for k, v in (cfg.get(group) or {}).items() if v and "_target_" in v])
         assert len(objs) == expected
+
+
+def test_sample_grid_keys_exist_only_where_the_task_samples(tmp_path):
+    """A non-image task rejects ``callbacks.samples.*`` overrides (no key that does nothing); ``callbacks=none``
+    drops the grid an image task adds, like every other callback."""
+    with pytest.raises(ConfigCompositionException, match="callbacks.samples.n_samples"):
+        compose_config(["task=lra_listops", "callbacks.samples.n_samples=0"], tmp_path)
+    with pytest.raises(ConfigCompositionException, match="task.sample_every_n_epochs"):
+        compose_config(["task=enwik8", "task.sample_every_n_epochs=1"], tmp_path)
+    cfg = compose_config(["task=cifar10", "task.sample_every_n_epochs=3"], tmp_path)
+    (grid,) = [c for c in instantiate_group(cfg.callbacks) if type(c).__name__ == "SampleImages"]
+    assert grid.every_n_epochs == 3 and cfg.callbacks.attention_maps.every_n_epochs == 10
+    for option in ("callbacks=none", "debug=overfit"):
+        assert compose_config(["task=cifar10", option], tmp_path).callbacks is None
 
 
 def test_logger_many_loggers_has_three(tmp_path):
@@ -190,6 +210,19 @@ def test_cli_cfg_job_composes_for_gpu():
     assert out.returncode == 0, out.stderr
     job = OmegaConf.create(out.stdout)
     assert job.trainer.accelerator == "gpu" and job.task.seq_len == 3072
+
+
+def test_table1_sweep_builds_the_six_attentions(tmp_path):
+    """``python train.py -m experiment=digits/table1`` sweeps ``attention=sparse,combiner
+    partition=fixed,axial,logsparse`` (and seeds): every job composes with its partition and builds the sparse
+    pattern or its Combiner counterpart."""
+    params = compose_config(["experiment=digits/table1"], tmp_path).hydra.sweeper.params
+    built = set()
+    for attention, partition in itertools.product(params.attention.split(","), params.partition.split(",")):
+        cfg = compose_config(["experiment=digits/table1", f"attention={attention}", f"partition={partition}"], tmp_path)
+        assert cfg.attention.partition.name == partition and cfg.task.block_size == 4
+        built.add(build_module(cfg).net.blocks[0].attn.attention.name)
+    assert built == {"fixed", "axial", "logsparse", "combiner_fixed", "combiner_axial", "combiner_logsparse"}
 
 
 def test_partition_is_composed_only_for_the_generic_entries(tmp_path):

@@ -82,6 +82,17 @@ def test_xl_trams_evaluation_without_training_exits_zero(make_cfg, tmp_path):
     assert not (run / "checkpoints").exists()
 
 
+def test_config_summary_lists_the_top_level_choices_only(tmp_path):
+    """The image task's own sample grid (a nested ``callbacks/samples`` choice) is not a choice the user made."""
+    from longseq.utils.config import config_summary
+
+    choices = dict(compose_config(["task=cifar10", "attention=combiner", "partition=axial"], tmp_path).hydra.runtime.choices)
+    assert any(key.startswith("callbacks/samples") for key in choices)
+    assert config_summary(choices, ["seed=1"]) == ("config: logger=none callbacks=default trainer=default scheduler=cosine "
+                                                   "optimizer=adamw model=transformer partition=axial attention=combiner "
+                                                   "task=cifar10\noverrides: seed=1")
+
+
 def test_error_summary_is_one_line_naming_the_key_file_or_step():
     from longseq.utils.console import error_summary
     from longseq.utils.errors import ConfigError, DataError, NonFiniteError

@@ -307,3 +307,38 @@ def test_training_sample_grid_decodes_unless_told_not_to(cache: bool, make_cfg, 
     trainer = SimpleNamespace(global_step=7, loggers=[])
     path = callback.log_samples(trainer, task)
     assert seen["cache"] is cache and path == tmp_path / "samples" / "samples_step7.png" and path.is_file()
+
+
+def test_training_sample_grid_refuses_a_task_that_cannot_sample_images(make_cfg, tmp_path: Path) -> None:
+    """The grid is composed by image tasks only; forced onto an LM (``+callbacks/samples=images``) it fails at
+    setup naming its key instead of silently logging nothing."""
+    import hydra
+
+    from longseq.callbacks.samples import SampleImages
+    from longseq.utils.errors import ConfigError
+
+    grid = hydra.utils.instantiate(make_cfg().callbacks.samples)
+    grid.setup(SimpleNamespace(), tiny_density_task("full"), "fit")  # an image density model: accepted
+    lm = CausalLMTask(model={"n_layers": 1, "d_model": HEADS * HEAD_DIM, "n_heads": HEADS},
+                      attention=attention_config("full"), optimizer={}, scheduler=None, vocab_size=11, seq_len=L)
+    with pytest.raises(ConfigError, match=r"callbacks\.samples: CausalLMTask cannot sample images"):
+        grid.setup(SimpleNamespace(), lm, "fit")
+    with pytest.raises(ConfigError, match=r"callbacks\.samples\.every_n_epochs: must be an integer >= 1, got 0"):
+        SampleImages(str(tmp_path), every_n_epochs=0)
+
+
+def test_eval_mode_sample_names_the_key_for_a_task_that_cannot_generate(monkeypatch, tmp_path: Path) -> None:
+    """A classifier checkpoint under ``mode=sample``: one ``mode`` error pointing to ``mode=evaluate``, nothing
+    written."""
+    import longseq.runner as runner
+    from longseq.utils.errors import ConfigError
+
+    classifier = runner.build_module(compose_config(["task=lra_listops", "task.seq_len=64"], tmp_path / "run"))
+    monkeypatch.setattr(runner, "load_checkpoint_run", lambda cfg, map_location="cpu": (None, classifier))
+    out = tmp_path / "figures"
+    ecfg = compose_config(["ckpt_path=x.ckpt", "mode=sample", f"sample.out_dir={out}"], tmp_path / "eval",
+                          config_name="eval")
+    with pytest.raises(ConfigError, match=r"^mode: sample needs an image density or a causal LM task; "
+                                          r"ClassificationTask .* use mode=evaluate"):
+        sample(ecfg)
+    assert not out.exists()

@@ -22,6 +22,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from longseq.attention.base import Attention
+from longseq.models.transformer import check_positive_int
 
 log = logging.getLogger(__name__)
 
@@ -70,18 +71,18 @@ class AttentionMaps(L.Callback):
 
     Args:
         dirpath: folder for the PNG files (``<run>/attention_maps``).
-        every_n_epochs: log at the end of every N-th validation epoch of fit.
+        every_n_epochs: log at the end of every N-th validation epoch of fit (its own key: the maps are not
+            tied to the task's sample grid).
         example_index: which row of the first validation batch to show (the same example every time).
         max_positions: crop to the first N queries and keys (a full L x L map is unreadable and O(L^2)).
         max_seq_len: do nothing when the captured sequence is longer (``attention_matrix`` is O(H L^2)
-            memory); the config sets it so that digits logs maps and long-sequence tasks do not.
+            memory); the config's 1024 logs maps for digits and the 1K LRA tasks, not for longer sequences.
         enabled: switch the callback off entirely (``callbacks.attention_maps.enabled=false``).
     """
 
     def __init__(self, dirpath: str, every_n_epochs: int = 1, example_index: int = 0, max_positions: int = 64,
                  max_seq_len: int = 1024, enabled: bool = True) -> None:
-        if every_n_epochs < 1:
-            raise ValueError(f"callbacks.attention_maps.every_n_epochs must be >= 1, got {every_n_epochs}")
+        check_positive_int("callbacks.attention_maps.every_n_epochs", every_n_epochs)
         self.dirpath = Path(dirpath)
         self.every_n_epochs, self.example_index = every_n_epochs, example_index
         self.max_positions, self.max_seq_len, self.enabled = max_positions, max_seq_len, enabled

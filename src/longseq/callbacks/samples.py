@@ -10,6 +10,9 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 from torchvision.utils import make_grid, save_image
 
+from longseq.models.transformer import check_positive_int
+from longseq.utils.errors import ConfigError
+
 
 def image_grid(images: torch.Tensor, num_levels: int) -> torch.Tensor:
     """(N, H, W, C) uint8 level images -> (3 or 1, H', W') float grid in [0, 1]."""
@@ -22,21 +25,30 @@ class SampleImages(L.Callback):
     images and log the grid (``final=false`` drops the end-of-training grid).
 
     Files land in ``<dirpath>/samples_step<N>.png``; TensorBoard gets ``add_image``, W&B a
-    ``wandb.Image`` (via ``log_image``), CSV runs keep the PNG files. Tasks without ``sample`` are skipped.
-    ``cache``: sample through the backbone's incremental-decoding state (attentions without one fall back to
-    recompute, with one warning naming the variant); false recomputes the sequence for every token.
+    ``wandb.Image`` (via ``log_image``), CSV runs keep the PNG files. ``cache``: sample through the backbone's
+    incremental-decoding state (attentions without one fall back to recompute, with one warning naming the
+    variant); false recomputes the sequence for every token.
+
+    Composed as ``callbacks.samples`` by the tasks that can sample images (``conf/callbacks/samples/images.yaml``
+    in their defaults list); attached to a module without ``sample`` it refuses at setup instead of idling.
     """
 
     def __init__(self, dirpath: str, n_samples: int = 16, every_n_epochs: int = 1, temperature: float = 1.0,
                  seed: int = 0, final: bool = True, cache: bool = True) -> None:
+        check_positive_int("callbacks.samples.every_n_epochs", every_n_epochs)  # default: task.sample_every_n_epochs
         self.dirpath = Path(dirpath)
         self.n_samples, self.every_n_epochs = n_samples, every_n_epochs
         self.temperature, self.seed, self.final, self.cache = temperature, seed, final, cache
         self.last_step: int | None = None
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if not callable(getattr(pl_module, "sample", None)):
+            raise ConfigError("callbacks.samples", f"{type(pl_module).__name__} cannot sample images (it has no "
+                                                   "`sample`); the sample grid belongs to image density tasks, whose "
+                                                   "task YAML adds it (`- /callbacks/samples: images`)")
+
     def active(self, trainer: L.Trainer, module: L.LightningModule) -> bool:
-        return (hasattr(module, "sample") and self.n_samples > 0 and not trainer.sanity_checking
-                and not trainer.fast_dev_run)
+        return self.n_samples > 0 and not trainer.sanity_checking and not trainer.fast_dev_run
 
     @rank_zero_only
     def on_validation_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:

@@ -44,9 +44,12 @@ def print_config_tree(cfg: DictConfig, save_to: Path | None = None, order: Seque
 
 
 def config_summary(choices: dict[str, Any], overrides: Sequence[str], saved: Path | None = None) -> str:
-    """One or two lines for the console: the chosen config groups and the command-line overrides."""
+    """One or two lines for the console: the chosen config groups and the command-line overrides.
+
+    Nested groups (``callbacks/samples``, which an image task adds itself) follow from the top-level choices."""
     groups = " ".join(f"{k}={v}" for k, v in choices.items()
-                      if v is not None and not k.startswith("hydra") and k not in ("paths", "extras", "local"))
+                      if v is not None and "/" not in k and not k.startswith("hydra")
+                      and k not in ("paths", "extras", "local"))
     lines = [f"config: {groups}"]
     if overrides:
         lines.append(f"overrides: {' '.join(overrides)}")
