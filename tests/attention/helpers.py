@@ -3,11 +3,18 @@ assertions on the attention contract (DESIGN.md)."""
 
 from __future__ import annotations
 
+import inspect
+import re
+
+import pytest
 import torch
 from conftest import CONF
 from omegaconf import OmegaConf
 
-from longseq.attention import ATTENTION_REGISTRY, Attention, build_attention
+from longseq.attention import ATTENTION_REGISTRY, Attention, AttentionConfigError, build_attention
+from longseq.attention.ops.geometry import BlockGrid
+from longseq.attention.ops.partition import Partition
+from longseq.attention.registry import accepted_kwargs
 
 L, BLOCK = 16, 4
 
@@ -145,16 +152,17 @@ def padding_patterns(L: int, seed: int = 0) -> torch.Tensor:
     return pad
 
 
-def assert_combiner_key_padding(attn: Attention, q, k, v, pad: torch.Tensor, atol: float = 1e-10) -> None:
-    """A Combiner variant under key padding ``pad`` (B, L) bool, True = pad (eval mode, fp64).
+def assert_key_padding_outcomes(attn: Attention, q, k, v, pad: torch.Tensor, full_support: bool,
+                                atol: float = 1e-10) -> None:
+    """What key padding ``pad`` (B, L) bool, True = pad, must give any variant (eval mode, fp64).
 
-    ``forward == attention_matrix @ v``, rows sum to one, no future when causal, no weight from a real query
-    on a padded key, full support over the real keys a real query may see, and padded keys' contents
-    (k and v) do not reach real queries' outputs.
+    ``forward == attention_matrix @ v``, rows sum to one, no future when causal, no weight from a real query on a
+    padded key, and padded keys' contents (k and v) do not reach real queries' outputs; with ``full_support``
+    (Combiner), every real key a real query may see keeps a positive weight.
     """
-    attn.eval()
-    B, L = pad.shape
+    L = pad.shape[-1]
     P = attn.attention_matrix(q, k, v, key_padding_mask=pad)
+    assert P.shape == (*q.shape[:-1], L)
     out = attn(q, k, v, key_padding_mask=pad)
     torch.testing.assert_close(out, P @ v, atol=atol, rtol=0)
     assert_rows_sum_to_one(P, atol=atol)
@@ -165,12 +173,19 @@ def assert_combiner_key_padding(attn: Attention, q, k, v, pad: torch.Tensor, ato
     real_query = ~pad[:, None, :, None]
     padded_key = pad[:, None, None, :]
     assert (P[(real_query & padded_key).expand_as(P)] == 0).all(), "a real query puts weight on a padded key"
-    assert (P[(real_query & ~padded_key & allowed).expand_as(P)] > 0).all(), "a real key lost its weight"
+    if full_support:
+        assert (P[(real_query & ~padded_key & allowed).expand_as(P)] > 0).all(), "a real key lost its weight"
     k2, v2 = k.clone(), v.clone()
     k2[pad[:, None, :].expand_as(k[..., 0])] += 3.0
     v2[pad[:, None, :].expand_as(v[..., 0])] -= 5.0
     real = ~pad[:, None, :].expand_as(out[..., 0])
     torch.testing.assert_close(attn(q, k2, v2, key_padding_mask=pad)[real], out[real], atol=atol, rtol=0)
+
+
+def assert_combiner_key_padding(attn: Attention, q, k, v, pad: torch.Tensor, atol: float = 1e-10) -> None:
+    """A Combiner variant under key padding ``pad``: ``assert_key_padding_outcomes`` with full support."""
+    attn.eval()
+    assert_key_padding_outcomes(attn, q, k, v, pad, full_support=True, atol=atol)
 
 
 # Methods whose explicit matrix is an exact linear operator but not a softmax (rows need not sum to 1),
@@ -198,6 +213,50 @@ def check_contract(name: str, causal: bool) -> None:
     assert attn.matrix_is_exact or attn.name in NOT_EXACT
 
 
+BAD_BLOCK_SIZES = (4.7, 4.0, 0, -8, True, "8")  # never floored, never coerced
+
+
+def takes_block_size(name: str) -> bool:
+    """Whether variant ``name`` has an ``attention.block_size`` knob (a keyword of its constructors)."""
+    return "block_size" in accepted_kwargs(ATTENTION_REGISTRY[name].cls)
+
+
+def check_block_size_validation(name: str) -> None:
+    """The one ``attention.block_size`` validation (``geometry.check_block_size``), for a variant that takes one.
+
+    A non-integer (4.7, even 4.0), zero, a negative, a bool or a string is rejected at construction, with or
+    without a known length; so is a block size that does not tile the length, at construction and, when the
+    length was unknown, on the first call. Every message names ``attention.block_size`` and the valid values. A
+    grid variant (``BlockGrid``) words them exactly alike; the clustering variants, whose optional block size
+    only sets the granularity of lcm(block_size, n_clusters) segments, share the first message.
+    """
+    cls = ATTENTION_REGISTRY[name].cls
+    causal = modes(name)[0]
+    grid = issubclass(cls, BlockGrid)
+    for bad in BAD_BLOCK_SIZES:
+        for seq_len in (L, None):
+            with pytest.raises(AttentionConfigError) as raised:
+                build(name, causal, seq_len=seq_len, block_size=bad)
+            valid = "[1, 2, 4, 8, 16]" if grid and seq_len else "positive integers dividing the sequence length"
+            expected = f"attention.block_size={bad!r} is not a positive integer; valid values: "
+            assert str(raised.value).startswith(expected), (name, bad, str(raised.value))
+            if grid:
+                assert str(raised.value) == expected + valid, (name, bad, str(raised.value))
+    tile = "attention.block_size=5 does not tile sequence length 16; valid values: [1, 2, 4, 8, 16]"
+    message = re.escape(tile) if grid else r"attention\.block_size.*\[1, 2, 4, 8, 16\]"
+    with pytest.raises(AttentionConfigError, match=message):
+        build(name, causal, seq_len=L, block_size=5)
+    attn = build(name, causal, seq_len=None, block_size=5)  # length unknown: checked on the first call
+    with pytest.raises(AttentionConfigError, match=message):
+        attn(*random_qkv(B=1, H=2, L=L, D=8))
+    if grid:
+        assert attn.requires_len_multiple_of() == 5
+    else:  # a block size that is not a grid's row length may be left out (None)
+        signatures = [inspect.signature(k.__dict__["__init__"]).parameters for k in cls.__mro__ if "__init__" in k.__dict__]
+        default = next(p["block_size"].default for p in signatures if "block_size" in p)
+        assert default is None, f"attention '{name}' has a required block_size but is no BlockGrid (ops.geometry)"
+
+
 def padding_masks(L: int = L) -> torch.Tensor:
     """(3, L) bool, True = pad: a ragged tail, a whole-row tail, and a padded stretch inside the document."""
     pad = torch.zeros(3, L, dtype=torch.bool)
@@ -215,30 +274,13 @@ def check_key_padding(name: str, causal: bool) -> None:
     no mask, a fully padded document falls back to the unpadded direct keys (where the variant exposes its
     ``partition(L)``), and Combiner variants keep full support over the real document.
     """
-    from longseq.attention.ops.partition import Partition
-
     torch.manual_seed(0)
     attn = build(name, causal).double().eval()
     assert attn.supports_padding_mask
     pad = padding_masks()
     q, k, v = random_qkv(B=3, H=2, L=L, D=8)
-    P = attn.attention_matrix(q, k, v, key_padding_mask=pad)
-    assert P.shape == (3, 2, L, L)
-    assert_rows_sum_to_one(P, atol=1e-10)
-    if causal:
-        assert_no_future(P)
-    real_query = ~pad[:, None, :, None]
-    padded_key = pad[:, None, None, :]
-    assert (P.masked_fill(~(real_query & padded_key), 0) == 0).all(), "a real query puts weight on a padded key"
-    out = attn(q, k, v, key_padding_mask=pad)
-    torch.testing.assert_close(out, P @ v, atol=1e-10, rtol=0)
-
-    k2, v2 = k.clone(), v.clone()
-    k2[pad[:, None, :].expand_as(k[..., 0])] += 3.0
-    v2[pad[:, None, :].expand_as(v[..., 0])] -= 5.0
-    moved = attn(q, k2, v2, key_padding_mask=pad)
-    real = ~pad[:, None, :].expand_as(out[..., 0])
-    torch.testing.assert_close(moved[real], out[real], atol=1e-10, rtol=0)
+    # Combiner variants keep full support over the real document, whatever the padding
+    assert_key_padding_outcomes(attn, q, k, v, pad, full_support=attn.family == "combiner")
 
     none = torch.zeros_like(pad)
     torch.testing.assert_close(attn(q, k, v, key_padding_mask=none), attn(q, k, v), atol=1e-10, rtol=0)
@@ -255,14 +297,6 @@ def check_key_padding(name: str, causal: bool) -> None:
         empty_doc = attn(q[:1], k[:1], v[:1], key_padding_mask=everything)
         direct_only = Partition.direct_only(part.direct).effective_matrix(attn.scale(q[:1]), k[:1], None, None)
         torch.testing.assert_close(empty_doc, direct_only @ v[:1], atol=1e-10, rtol=0)
-
-    if attn.family == "combiner":  # full support over the real document, whatever the padding
-        for doc in range(len(pad)):
-            reach = P[doc][..., ~pad[doc]][:, ~pad[doc]]  # (H, real queries, real keys)
-            allowed = torch.ones(reach.shape[-2:], dtype=torch.bool)
-            if causal:
-                allowed = allowed.tril()
-            assert (reach[:, allowed] > 0).all(), f"document {doc}: a real key lost its weight under padding"
 
 
 def check_decoding(name: str, knobs: dict | None = None, prefix: int | None = None, L: int = 64,

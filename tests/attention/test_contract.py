@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import CASES, L, build, check_contract, modes, random_qkv
+from helpers import CASES, L, build, check_block_size_validation, check_contract, random_qkv, takes_block_size
 
-from longseq.attention import ATTENTION_REGISTRY, AttentionConfigError
-from longseq.attention.registry import accepted_kwargs
+from longseq.attention import ATTENTION_REGISTRY
+from longseq.attention.ops.geometry import BlockGrid
 from longseq.runner import train
 
 
@@ -64,36 +64,16 @@ def test_train_cli_three_steps(name, tmp_path):
     assert "test/bpd" in out.stdout
 
 
-CLUSTERED = {"routing", "combiner_routing"}  # segments of lcm(block_size, n_clusters)
-BLOCK_SIZE_NAMES = sorted(n for n in ATTENTION_REGISTRY if "block_size" in accepted_kwargs(ATTENTION_REGISTRY[n].cls))
+@pytest.mark.parametrize("name", [n for n in sorted(ATTENTION_REGISTRY) if takes_block_size(n)])
+def test_block_size_is_validated_the_same_way_everywhere(name):
+    """Every variant with an ``attention.block_size`` (by its constructor keywords, not its name) rejects 4.7, 4.0,
+    0, -8, True, "8" and a non-divisor of the length, naming the key and the valid values (``helpers``)."""
+    check_block_size_validation(name)
 
 
-def block_size_error(name: str, block_size, seq_len: int | None) -> str:
-    with pytest.raises(AttentionConfigError, match="attention.block_size") as raised:
-        build(name, modes(name)[0], seq_len=seq_len, block_size=block_size)
-    return str(raised.value)
-
-
-def test_block_size_is_validated_the_same_way_everywhere():
-    """One validation (``geometry.check_block_size``) for every variant with a block size: non-integers are
-    rejected, never floored; zero, negatives and booleans too; the message names the key and the valid values."""
-    assert {"fixed", "axial", "strided", "combiner_fixed", "combiner_axial", "combiner_mixture",
-            "combiner_axial_vertical", "combiner_axial_horizontal", "combiner_routing"} <= set(BLOCK_SIZE_NAMES)
-    for bad in (4.7, 4.0, 0, -4, True, "4"):
-        for seq_len, valid in ((L, "valid values: [1, 2, 4, 8, 16]"), (None, "valid values: positive integers")):
-            messages = {name: block_size_error(name, bad, seq_len) for name in BLOCK_SIZE_NAMES}
-            for name, message in messages.items():
-                assert message.startswith(f"attention.block_size={bad!r} is not a positive integer"), name
-            # grid variants (the block size divides L) word for word alike; the clustering ones tile L with
-            # lcm(block_size, n_clusters), so their hint does not list divisors of L
-            grid = {m for n, m in messages.items() if n not in CLUSTERED}
-            assert len(grid) == 1 and valid in grid.pop(), messages
-
-
-@pytest.mark.parametrize("name", BLOCK_SIZE_NAMES)
-def test_block_size_that_does_not_divide_the_length_is_rejected(name):
-    message = block_size_error(name, 5, L)
-    assert "[1, 2, 4, 8, 16]" in message
-    attn = build(name, modes(name)[0], seq_len=None, block_size=5)  # length unknown: checked on the first call
-    with pytest.raises(AttentionConfigError, match=r"attention\.block_size.*\[1, 2, 4, 8, 16\]"):
-        attn(*random_qkv(B=1, H=2, L=L, D=8))
+def test_block_size_variants_include_every_grid_family():
+    """The selection above is not vacuous: grid variants of the sparse, Combiner and efficient families and the
+    clustering ones take a block size."""
+    families = {ATTENTION_REGISTRY[n].cls.family for n in ATTENTION_REGISTRY if takes_block_size(n)}
+    assert {"sparse", "combiner", "efficient"} <= families
+    assert any(not issubclass(ATTENTION_REGISTRY[n].cls, BlockGrid) for n in ATTENTION_REGISTRY if takes_block_size(n))

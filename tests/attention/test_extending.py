@@ -1,9 +1,10 @@
 """"Add an attention = one file + one YAML, zero edits elsewhere" (README, Extending), kept true by a test.
 
-A throwaway padded variant, a throwaway Combiner partition and a throwaway sparse pattern are registered from a
-temporary module with their YAMLs in a temporary config folder; the registry gives each its family, and the
-registry-wide checks (contract, key padding over ``supports_padding_mask``, decoding over ``supports_decoding``)
-select and pass them without any edit to the package or the tests.
+A throwaway padded variant, a throwaway Combiner partition (on the block grid, through ``BlockGrid``) and a
+throwaway sparse pattern are registered from a temporary module with their YAMLs in a temporary config folder;
+the registry gives each its family, and the registry-wide checks (contract, key padding over
+``supports_padding_mask``, decoding over ``supports_decoding``, ``block_size`` validation over the constructor
+keywords) select and pass them without any edit to the package or the tests.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ import torch
 from longseq.attention.base import Attention
 from longseq.attention.combiner.summary import PooledCombiner, RegionSummary
 from longseq.attention.dense.full import FullAttention
+from longseq.attention.ops.geometry import BlockGrid
 from longseq.attention.ops.partition import Partition
 from longseq.attention.registry import register_attention
-from longseq.attention.sparse.patterns import SparseAttention
+from longseq.attention.sparse.base import SparseAttention
 
 
 @register_attention("throwaway_padded")
@@ -47,32 +49,32 @@ class ThrowawaySparse(SparseAttention):
 
 
 @register_attention("throwaway_combiner")
-class ThrowawayCombiner(PooledCombiner, Attention):
-    """Combiner on pairs: own pair direct, every earlier (causal) / other pair through its mean summary."""
+class ThrowawayCombiner(BlockGrid, PooledCombiner, Attention):
+    """Combiner on the block grid: own block direct, every earlier (causal) / other block through its mean
+    summary. ``BlockGrid`` owns ``block_size``: its validation, the length rule and ``grid(L)``."""
 
     supports_padding_mask = True
 
-    def __init__(self, *, causal, **common):
-        super().__init__(causal=causal, **common)
+    def __init__(self, **knobs):
+        super().__init__(**knobs)
         self.summary = RegionSummary("mean")
 
-    def requires_len_multiple_of(self):
-        return 2
-
     def partition(self, length, device=None):
-        pos = torch.arange(length, device=device)
-        pair = pos // 2
-        same = pair[:, None] == pair[None, :]
+        grid = self.grid(length)
+        pos, block = torch.arange(length, device=device), grid.rows(device)
+        same = block[:, None] == block[None, :]
         direct = same & (pos[:, None] >= pos[None, :]) if self.causal else same
-        regions = torch.arange(length // 2, device=device)[:, None] == pair[None, :]
-        others = torch.arange(length // 2, device=device)[None, :]
-        usable = others < pair[:, None] if self.causal else others != pair[:, None]
+        regions = torch.arange(grid.n_rows, device=device)[:, None] == block[None, :]
+        others = torch.arange(grid.n_rows, device=device)[None, :]
+        usable = others < block[:, None] if self.causal else others != block[:, None]
         return Partition.from_candidates(direct, regions, usable)
 
     def forward(self, q, k, v, key_padding_mask=None):
         return self.attention_matrix(q, k, v, key_padding_mask=key_padding_mask) @ v
 '''
 NAMES = {"throwaway_padded": "dense", "throwaway_sparse": "sparse", "throwaway_combiner": "combiner"}
+YAMLS = {name: f"name: {name}\n" for name in NAMES} | {
+    "throwaway_combiner": "name: throwaway_combiner\nblock_size: ${task.block_size}\n"}
 
 
 @pytest.fixture
@@ -81,8 +83,8 @@ def throwaway(tmp_path, monkeypatch):
     (tmp_path / "throwaway_variants.py").write_text(MODULE)
     conf = tmp_path / "conf" / "attention"
     conf.mkdir(parents=True)
-    for name in NAMES:
-        (conf / f"{name}.yaml").write_text(f"name: {name}\n")
+    for name, yaml in YAMLS.items():
+        (conf / f"{name}.yaml").write_text(yaml)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(helpers, "CONF", tmp_path / "conf")
     try:
@@ -104,6 +106,9 @@ def test_a_new_variant_of_each_kind_is_picked_up_by_the_registry_wide_checks(thr
             helpers.check_contract(name, causal)
             helpers.check_key_padding(name, causal)
         helpers.check_decoding(name, prefix=5)
+    # the grid one gets the one block_size validation by subclassing BlockGrid, and the registry-wide check
+    assert [n for n in NAMES if helpers.takes_block_size(n)] == ["throwaway_combiner"]
+    helpers.check_block_size_validation("throwaway_combiner")
     # the Combiner one really is one: every earlier key reached (full support), beyond its direct pair
     attn = helpers.build("throwaway_combiner", True).double()
     P = attn.attention_matrix(*helpers.random_qkv(B=1, H=1, L=helpers.L, D=8))

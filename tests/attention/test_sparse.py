@@ -282,23 +282,12 @@ def test_longformer_rejects_causal_global_tokens():
         build_attention("longformer", causal=True, window=4, global_tokens=1)
 
 
-@pytest.mark.parametrize("name", ["fixed", "axial", "strided", "bigbird"])
-def test_block_size_that_does_not_tile_is_rejected(name):
-    causal = name != "bigbird"
-    with pytest.raises(AttentionConfigError, match="attention.block_size"):
-        build_attention(name, causal=causal, block_size=5, seq_len=16)
-    attn = build_attention(name, causal=causal, block_size=5)
-    q, k, v = random_qkv(L=16)
-    with pytest.raises(AttentionConfigError, match="attention.block_size"):
-        attn(q, k, v)
-    with pytest.raises(AttentionConfigError, match="attention.block_size"):
-        build_attention(name, causal=causal, block_size=0)
-
-
 @pytest.mark.parametrize(
     "name, kw, key",
     [
         ("local", dict(window=0), "attention.window"),
+        ("local", dict(window=True), "attention.window"),  # a bool is no window (check_int_knob)
+        ("random", dict(n_random=2.5), "attention.n_random"),
         ("longformer", dict(dilation=0), "attention.dilation"),
         ("fixed", dict(block_size=4, summary_cells=5), "attention.summary_cells"),
         ("random", dict(n_random=-1), "attention.n_random"),

@@ -4,8 +4,8 @@ Layers (the folder tree is the architecture; lower layers never import higher on
 
 - ``base``, ``registry``: the contract every variant implements, and the one registry;
 - ``ops/``: shared kernels and rules, no registered classes (mask convention, key padding, geometry and
-  ``block_size`` validation, the one ``Partition``, joint softmax and the flash merge, log levels, prefix
-  sums, clustering, mixed precision, incremental decoding);
+  ``BlockGrid``, the one owner of ``block_size``, the one ``Partition``, joint softmax and the flash merge,
+  log levels, prefix sums, clustering, mixed precision, incremental decoding);
 - ``dense/``, ``sparse/``, ``combiner/``, ``efficient/``: one family each, one file per variant (or per
   variant family sharing one class); a variant's ``family`` is its folder.
 

@@ -22,6 +22,7 @@ The others raise ``DecodingNotSupported`` from ``new_state`` and sampling falls 
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import nn
@@ -184,3 +185,11 @@ class Attention(nn.Module):
 def divisors(n: int) -> list[int]:
     """All positive divisors of ``n`` (used in error messages listing valid block sizes)."""
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_int_knob(value, key: str, minimum: int = 1) -> int:
+    """The one validation of an integer knob (a window, a count, a number of iterations): an integer, not a bool,
+    at least ``minimum``. Returns it as ``int``; raises ``AttentionConfigError`` naming ``key``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise AttentionConfigError(f"{key} must be an integer >= {minimum}, got {value!r}")
+    return int(value)

@@ -44,7 +44,7 @@ from torch import nn
 
 from longseq.attention.base import Attention, AttentionConfigError
 from longseq.attention.ops.decoding import PartitionDecoder
-from longseq.attention.ops.geometry import Grid, check_block_size
+from longseq.attention.ops.geometry import BlockGrid, Grid
 from longseq.attention.ops.joint_softmax import (
     LogitGroup,
     causal_row_column_flash,
@@ -79,7 +79,7 @@ def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 # ------------------------------------------------------------------------------------------------
 @register_attention("combiner_axial")
-class CombinerAxialRowMajor(PartitionDecoder, Attention):
+class CombinerAxialRowMajor(BlockGrid, PartitionDecoder, Attention):
     """Row-major Combiner-Axial (see module docstring); cost ``O(L (n + m) D)``, memory ``O(L (n + m))``.
 
     Args:
@@ -88,8 +88,7 @@ class CombinerAxialRowMajor(PartitionDecoder, Attention):
     """
 
     def __init__(self, *, causal: bool, block_size: int, row_summary: str = "proj", **common) -> None:
-        self.block_size = check_block_size(block_size, common.get("seq_len"))
-        super().__init__(causal=causal, **common)
+        super().__init__(causal=causal, block_size=block_size, **common)
         if row_summary not in ROW_SUMMARIES:
             raise AttentionConfigError(
                 f"attention.row_summary={row_summary!r} is not valid; choose one of {ROW_SUMMARIES}"
@@ -106,9 +105,6 @@ class CombinerAxialRowMajor(PartitionDecoder, Attention):
             self.summary_in = nn.Linear(width, width, bias=False)
             self.summary_norm = nn.LayerNorm(width, eps=FLAX_LAYER_NORM_EPS)
             self.summary_out = nn.Linear(width, width, bias=False)
-
-    def requires_len_multiple_of(self) -> int:
-        return self.block_size
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, block_size={self.block_size}, row_summary={self.row_summary}"

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from longseq.attention.base import Attention
 from longseq.attention.ops.decoding import KVCache, cached_causal_attention
-from longseq.attention.ops.masks import causal_mask
+from longseq.attention.ops.masks import full_mask
 from longseq.attention.ops.partition import Partition
 from longseq.attention.registry import register_attention
 
@@ -26,8 +26,7 @@ class FullAttention(Attention):
 
     def partition(self, length: int, device: torch.device | None = None) -> Partition:
         """Every key (causal: every earlier key) direct, no regions."""
-        allowed = causal_mask(length, device) if self.causal else torch.ones(length, length, dtype=torch.bool, device=device)
-        return Partition.direct_only(allowed)
+        return Partition.direct_only(full_mask(length, self.causal, device))
 
     def allowed_keys(self, key_padding_mask: torch.Tensor, L: int) -> torch.Tensor:
         """(B, 1, L, L) bool, True = may attend: the partition's direct keys under ``ops.padding``'s rule."""
@@ -45,11 +44,9 @@ class FullAttention(Attention):
 
     def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        part = self.partition(q.shape[-2], q.device)
-        if key_padding_mask is None:
-            return part.effective_matrix(self.scale(q), k, None, None)
-        return torch.cat([part.without_padding(pad).effective_matrix(self.scale(q[b : b + 1]), k[b : b + 1], None, None)
-                          for b, pad in enumerate(key_padding_mask.bool())])
+        """(B, H, L, L) softmax over every (causal: every earlier) key, from ``partition`` (``ops.padding``'s rule
+        under key padding)."""
+        return self.partition(q.shape[-2], q.device).direct_matrix(self.scale(q), k, key_padding_mask)
 
     # -- incremental decoding ------------------------------------------------------------------
     def init_decoding_state(self, batch_size: int, max_len: int, device: torch.device, dtype: torch.dtype) -> KVCache:

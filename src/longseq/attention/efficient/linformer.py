@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from longseq.attention.base import Attention, AttentionConfigError
+from longseq.attention.base import Attention, AttentionConfigError, check_int_knob
 from longseq.attention.registry import register_attention
 
 
@@ -42,8 +42,7 @@ class LinformerAttention(Attention):
         super().__init__(causal=causal, seq_len=seq_len, **common)
         if seq_len is None:
             raise AttentionConfigError("attention 'linformer' needs seq_len (task.seq_len): its projections have one column per position")
-        if not isinstance(proj_len, int) or proj_len < 1:
-            raise AttentionConfigError(f"attention.proj_len must be a positive integer, got {proj_len!r}")
+        check_int_knob(proj_len, "attention.proj_len")
         self.proj_len, self.share_kv = proj_len, bool(share_kv)
         g = torch.Generator().manual_seed(int(seed))
         bound = proj_len**-0.5

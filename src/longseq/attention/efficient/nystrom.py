@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from longseq.attention.base import Attention, AttentionConfigError
+from longseq.attention.base import Attention, AttentionConfigError, check_int_knob
 from longseq.attention.registry import register_attention
 
 
@@ -67,10 +67,8 @@ class NystromAttention(Attention):
         conv_kernel: int = 33, seed: int = 0, **common,
     ) -> None:
         super().__init__(causal=causal, n_heads=n_heads, **common)
-        if not isinstance(n_landmarks, int) or n_landmarks < 1:
-            raise AttentionConfigError(f"attention.n_landmarks must be a positive integer, got {n_landmarks!r}")
-        if not isinstance(pinv_iterations, int) or pinv_iterations < 0:
-            raise AttentionConfigError(f"attention.pinv_iterations must be an integer >= 0, got {pinv_iterations!r}")
+        check_int_knob(n_landmarks, "attention.n_landmarks")
+        check_int_knob(pinv_iterations, "attention.pinv_iterations", minimum=0)
         if not isinstance(conv_kernel, int) or conv_kernel < 0 or (conv_kernel and conv_kernel % 2 == 0):
             raise AttentionConfigError(f"attention.conv_kernel must be 0 (off) or an odd positive integer, got {conv_kernel!r}")
         self.n_landmarks, self.pinv_iterations, self.conv_kernel = n_landmarks, pinv_iterations, conv_kernel

@@ -32,7 +32,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from longseq.attention.base import Attention, AttentionConfigError
+from longseq.attention.base import Attention, AttentionConfigError, check_int_knob
 from longseq.attention.ops.masks import NEG_INF
 from longseq.attention.registry import register_attention
 
@@ -57,10 +57,8 @@ class ReformerAttention(Attention):
         self, *, causal: bool, seq_len: int | None = None, head_dim: int | None = None, bucket_size: int = 64,
         n_hashes: int = 4, n_buckets: int | None = None, seed: int = 0, **common,
     ) -> None:
-        if not isinstance(bucket_size, int) or bucket_size < 1:
-            raise AttentionConfigError(f"attention.bucket_size must be a positive integer, got {bucket_size!r}")
-        if not isinstance(n_hashes, int) or n_hashes < 1:
-            raise AttentionConfigError(f"attention.n_hashes must be a positive integer, got {n_hashes!r}")
+        check_int_knob(bucket_size, "attention.bucket_size")
+        check_int_knob(n_hashes, "attention.n_hashes")
         self.bucket_size = bucket_size
         super().__init__(causal=causal, seq_len=seq_len, head_dim=head_dim, **common)
         if seq_len is not None:

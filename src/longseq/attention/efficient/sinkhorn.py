@@ -23,14 +23,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from longseq.attention.base import Attention, AttentionConfigError
-from longseq.attention.ops.geometry import check_block_size
-from longseq.attention.ops.masks import NEG_INF, causal_mask
+from longseq.attention.base import Attention, AttentionConfigError, check_int_knob
+from longseq.attention.ops.geometry import BlockGrid
+from longseq.attention.ops.masks import NEG_INF, causal_mask, other_blocks_mask
 from longseq.attention.registry import register_attention
 
 
 @register_attention("sinkhorn")
-class SinkhornAttention(Attention):
+class SinkhornAttention(BlockGrid, Attention):
     """Sorted-block attention (see the module docstring).
 
     Args:
@@ -42,16 +42,11 @@ class SinkhornAttention(Attention):
     def __init__(
         self, *, causal: bool, block_size: int = 64, sinkhorn_iters: int = 5, temperature: float = 0.75, **common
     ) -> None:
-        if not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 0:
-            raise AttentionConfigError(f"attention.sinkhorn_iters must be an integer >= 0, got {sinkhorn_iters!r}")
+        super().__init__(causal=causal, block_size=block_size, **common)
+        self.sinkhorn_iters = check_int_knob(sinkhorn_iters, "attention.sinkhorn_iters", minimum=0)
         if not temperature > 0:
             raise AttentionConfigError(f"attention.temperature must be > 0, got {temperature!r}")
-        self.block_size = check_block_size(block_size, common.get("seq_len"))
-        super().__init__(causal=causal, **common)
-        self.sinkhorn_iters, self.temperature = sinkhorn_iters, float(temperature)
-
-    def requires_len_multiple_of(self) -> int:
-        return self.block_size
+        self.temperature = float(temperature)
 
     def sort_matrix(self, q_blk: torch.Tensor, k_blk: torch.Tensor) -> torch.Tensor:
         """Soft block permutation ``(B, H, n, n)`` from blocks ``(B, H, n, b, D)`` (q already scaled)."""
@@ -62,7 +57,7 @@ class SinkhornAttention(Attention):
             running = q_rep.cumsum(2) / count
             q_rep = torch.cat([torch.zeros_like(running[:, :, :1]), running[:, :, :-1]], 2)  # blocks < g
             logits = (q_rep @ k_rep.transpose(-1, -2)) / self.temperature
-            earlier = torch.ones(n, n, dtype=torch.bool, device=q_rep.device).tril(-1)
+            earlier = other_blocks_mask(n, True, q_rep.device)
             earlier[0, 0] = True  # block 0 has no earlier block: placeholder row, its slot is masked later
             return logits.masked_fill(~earlier, NEG_INF).softmax(-1)
         log_p = (q_rep @ k_rep.transpose(-1, -2)) / self.temperature

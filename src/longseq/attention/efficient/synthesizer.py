@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from longseq.attention.base import Attention, AttentionConfigError
+from longseq.attention.base import Attention, AttentionConfigError, check_int_knob
 from longseq.attention.ops.masks import NEG_INF, causal_mask
 from longseq.attention.registry import register_attention
 
@@ -55,8 +55,7 @@ class SynthesizerAttention(Attention):
                     f"attention 'synthesizer' needs {key} (given by the model from task.seq_len / model.n_heads / "
                     "model.d_model): its logits have one entry per position, per head"
                 )
-        if not isinstance(rank, int) or rank < 1:
-            raise AttentionConfigError(f"attention.rank must be a positive integer, got {rank!r}")
+        check_int_knob(rank, "attention.rank")
         self.mode, self.rank, self.trainable = mode, rank, bool(trainable)
         self.hidden = hidden or head_dim
         g = torch.Generator().manual_seed(int(seed))

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from longseq.attention.base import DecodingNotSupported
-from longseq.attention.ops.masks import NEG_INF
+from longseq.attention.ops.masks import NEG_INF, causal_mask
 
 
 @dataclass
@@ -86,7 +86,7 @@ def cached_causal_attention(cache: KVCache, q: torch.Tensor, k: torch.Tensor, v:
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True)
     if end - start == 1:  # one query sees every cached key
         return F.scaled_dot_product_attention(q, keys, values)
-    allowed = torch.ones(end - start, end, dtype=torch.bool, device=q.device).tril(start)
+    allowed = causal_mask(end - start, q.device, offset=start)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)
 
 

@@ -4,6 +4,9 @@ Positions ``p`` in ``[0, L)`` are laid out row-major on an ``n x m`` grid: ``p =
 ``n = L / m`` rows (segments) and ``m = block_size`` columns (segment length). Log-sparse geometry
 uses aligned power-of-two blocks (a Fenwick decomposition of ``[0, p)``). Every function here is
 pure index arithmetic so that fast implementations, dense reference masks and tests agree.
+
+``check_block_size`` is the one validation of a block size and ``BlockGrid`` the one mixin that owns the
+``attention.block_size`` knob of a grid variant (validation, length rule, ``grid(L)``).
 """
 
 from __future__ import annotations
@@ -48,12 +51,42 @@ def check_block_size(block_size, length: int | None = None, key: str = "attentio
     floored) that divides ``length`` when the sequence length is known. Returns it as ``int``; raises
     ``AttentionConfigError`` naming ``key`` and the valid values.
     """
-    valid = "valid values: " + (str(divisors(length)) if length else "positive integers dividing the sequence length")
+    def valid() -> str:  # only when raising: listing the divisors of a long length is an O(L) loop
+        return "valid values: " + (str(divisors(length)) if length else "positive integers dividing the sequence length")
+
     if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1:
-        raise AttentionConfigError(f"{key}={block_size!r} is not a positive integer; {valid}")
+        raise AttentionConfigError(f"{key}={block_size!r} is not a positive integer; {valid()}")
     if length is not None and length % block_size:
-        raise AttentionConfigError(f"{key}={block_size} does not tile sequence length {length}; {valid}")
+        raise AttentionConfigError(f"{key}={block_size} does not tile sequence length {length}; {valid()}")
     return int(block_size)
+
+
+class BlockGrid:
+    """Mixin of every variant laid out on a ``Grid`` of ``block_size`` columns (segments, blocks, grid rows):
+    the one owner of the ``attention.block_size`` knob.
+
+    It validates the knob once at construction (``check_block_size``, against ``seq_len`` when known), stores it,
+    makes the sequence length a multiple of it, checks a length seen later with the same rule and message, and
+    gives the grid of a length. List it before the ``Attention`` base (``class V(BlockGrid, Attention)``); a
+    variant keeps ``block_size`` in its own signature only to give it a default, and passes it on.
+    """
+
+    block_size: int
+
+    def __init__(self, *, block_size: int, **base) -> None:
+        super().__init__(**base)
+        self.block_size = check_block_size(block_size, base.get("seq_len"))
+
+    def requires_len_multiple_of(self) -> int:
+        return self.block_size
+
+    def check_length(self, length: int) -> None:
+        check_block_size(self.block_size, length)
+
+    def grid(self, length: int) -> Grid:
+        """The ``n x block_size`` grid of a length-``length`` sequence; raises naming ``attention.block_size``
+        when the block size does not tile it."""
+        return Grid.of(length, self.block_size)
 
 
 def num_log_levels(length: int) -> int:

@@ -86,6 +86,17 @@ class Partition:
         direct = torch.where(empty.unsqueeze(-1), self.direct, direct)
         return Partition.from_candidates(direct, members, usable, self.family, anchor)
 
+    def direct_matrix(self, q: torch.Tensor, k: torch.Tensor,
+                      key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Dense weights ``(B, H, L, L)`` of a partition without regions (a pattern: ``full``, the sparse family):
+        one softmax over each query's direct keys (q scaled, k ``(B, H, L, D)``); with ``key_padding_mask``
+        ``(B, L)`` (True = pad), each document's ``without_padding`` (a loop over the batch, small L only)."""
+        if key_padding_mask is None:
+            return self.effective_matrix(q, k, None, None)
+        pads = key_padding_mask.to(device=q.device, dtype=torch.bool)
+        return torch.cat([self.without_padding(pad).effective_matrix(q[b : b + 1], k[b : b + 1], None, None)
+                          for b, pad in enumerate(pads)])
+
     def effective_matrix(self, q: torch.Tensor, k: torch.Tensor, summary_q: torch.Tensor,
                          summary_k: torch.Tensor) -> torch.Tensor:
         """Dense weights ``(B, H, L, L)`` of one joint softmax over direct keys and region summaries.
