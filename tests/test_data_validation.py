@@ -17,9 +17,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import ROOT
-from test_image_data import write_cifar10_fixture, write_imagenet64_fixture
-from test_lra import write_aan_fixture, write_listops_fixture, write_pathfinder_fixture
-from test_text_tasks import enwik8_payload, write_byte_zip
+from dataset_files import (
+    enwik8_payload,
+    write_aan_fixture,
+    write_byte_zip,
+    write_cifar10_fixture,
+    write_imagenet64_fixture,
+    write_listops_fixture,
+    write_pathfinder_fixture,
+)
 
 from longseq.data import text as text_data
 from longseq.data.cifar10 import Cifar10DataModule

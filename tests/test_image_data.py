@@ -14,21 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from dataset_files import write_cifar10_fixture, write_imagenet64_fixture
 
 from longseq.data import imagenet64 as imagenet64_module
 from longseq.data.cifar10 import Cifar10DataModule
 from longseq.data.imagenet64 import ImageNet64DataModule, ImageTokenDataset
 from longseq.data.images import DigitsDataModule
-
-
-def random_images(n: int, side: int, seed: int) -> np.ndarray:
-    """(n, side, side, 3) uint8 HWC images with every value distinct enough to catch a transpose."""
-    return np.random.default_rng(seed).integers(0, 256, size=(n, side, side, 3), dtype=np.uint8)
-
-
-def hwc_to_planar_rows(images: np.ndarray) -> np.ndarray:
-    """(N, H, W, 3) -> (N, 3*H*W): R plane, G plane, B plane, as both releases store them."""
-    return np.ascontiguousarray(images.transpose(0, 3, 1, 2)).reshape(len(images), -1)
 
 
 def assert_tokens_are_images(tokens: torch.Tensor, images: np.ndarray) -> None:
@@ -46,33 +37,6 @@ def first_batch(loader) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- CIFAR-10 (torchvision pickle batches)
-
-CIFAR_PER_BATCH, CIFAR_TEST = 4, 6  # 5 x 4 = 20 training images
-
-
-def write_cifar10_fixture(data_dir: Path) -> tuple[np.ndarray, np.ndarray]:
-    """cifar10/cifar-10-batches-py/ with data_batch_1..5, test_batch, batches.meta; returns (train, test)."""
-    folder = data_dir / "cifar10" / "cifar-10-batches-py"
-    folder.mkdir(parents=True)
-    train, test = random_images(5 * CIFAR_PER_BATCH, 32, seed=1), random_images(CIFAR_TEST, 32, seed=2)
-
-    def dump(name: str, images: np.ndarray, label: str) -> None:
-        entry = {
-            "batch_label": label,
-            "labels": [i % 10 for i in range(len(images))],
-            "data": hwc_to_planar_rows(images),
-            "filenames": [f"img_{i}.png" for i in range(len(images))],
-        }
-        with open(folder / name, "wb") as f:
-            pickle.dump(entry, f, protocol=2)
-
-    for b in range(5):
-        images = train[b * CIFAR_PER_BATCH : (b + 1) * CIFAR_PER_BATCH]
-        dump(f"data_batch_{b + 1}", images, f"training batch {b + 1} of 5")
-    dump("test_batch", test, "testing batch 1 of 1")
-    with open(folder / "batches.meta", "wb") as f:
-        pickle.dump({"label_names": [f"class_{i}" for i in range(10)], "num_vis": 3072}, f, protocol=2)
-    return train, test
 
 
 def test_cifar10_reads_torchvision_batches(tmp_path):
@@ -139,30 +103,6 @@ def test_cifar10_without_download_names_the_archive(tmp_path):
 
 
 # ---------------------------------------------------------------- ImageNet 64x64 (npz / pickle batches)
-
-IMAGENET_BATCH_SIZES, IMAGENET_TEST = (5, 6), 4
-
-
-def write_imagenet64_fixture(data_dir: Path) -> tuple[np.ndarray, np.ndarray]:
-    """imagenet64/ with train_data_batch_1.npz, train_data_batch_2 (pickle edition, no suffix) and
-    val_data.npz; returns (all train images in order, test images)."""
-    folder = data_dir / "imagenet64"
-    folder.mkdir(parents=True)
-    batches = [random_images(n, 64, seed=10 + i) for i, n in enumerate(IMAGENET_BATCH_SIZES)]
-    test = random_images(IMAGENET_TEST, 64, seed=20)
-
-    def entry(images: np.ndarray, with_mean: bool) -> dict:
-        rows = hwc_to_planar_rows(images)
-        fields = {"data": rows, "labels": list(range(1, len(images) + 1))}  # labels are 1-based
-        if with_mean:
-            fields["mean"] = rows.mean(axis=0)
-        return fields
-
-    np.savez(folder / "train_data_batch_1.npz", **entry(batches[0], with_mean=True))
-    with open(folder / "train_data_batch_2", "wb") as f:
-        pickle.dump(entry(batches[1], with_mean=True), f)
-    np.savez(folder / "val_data.npz", **entry(test, with_mean=False))
-    return np.concatenate(batches), test
 
 
 def imagenet64(data_dir: Path, **kwargs) -> ImageNet64DataModule:

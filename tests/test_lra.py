@@ -4,14 +4,20 @@ Pathfinder generators, key padding masks and the classifier's pooling."""
 from __future__ import annotations
 
 import csv
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import compose_config
-from PIL import Image
-from test_image_data import CIFAR_PER_BATCH, write_cifar10_fixture
+from dataset_files import (
+    CIFAR_PER_BATCH,
+    LISTOPS_ROWS,
+    write_aan_fixture,
+    write_cifar10_fixture,
+    write_imdb_fixture,
+    write_listops_fixture,
+    write_pathfinder_fixture,
+)
 
 from longseq.attention import ATTENTION_REGISTRY, AttentionConfigError, build_attention
 from longseq.data.lra import (
@@ -28,73 +34,6 @@ from longseq.runner import build_module, train
 
 # ----------------------------------------------------------------------------------------------------
 # Fixtures written by hand in each released format
-
-
-LISTOPS_ROWS = [  # (Source as released, Target)
-    ("( ( ( [MIN 8 ) 6 ) ] )", 6),
-    ("( ( ( ( [MIN 8 ) 2 ) ( ( ( [MIN 8 ) 6 ) ] ) ) ] )", 2),
-    ("( ( ( ( ( [MED 1 ) 7 ) 4 ) 9 ) ] )", 5),  # sorted 1 4 7 9: mean of 4 and 7 = 5.5 -> 5
-    ("( ( ( ( [SM 7 ) 8 ) 9 ) ] )", 4),  # 24 mod 10
-    ("( ( ( [MAX 3 ) ( ( ( ( [MED 0 ) 2 ) 9 ) ] ) ) ] )", 3),  # MED(0, 2, 9) = 2
-    ("( ( ( ( [SM ( ( ( [MAX 9 ) 1 ) ] ) ) 5 ) 0 ) ] )", 4),  # 9 + 5 + 0 = 14
-    ("7", 7),
-    ("( ( ( [MED 3 ) 4 ) ] )", 3),  # 3.5 -> 3
-]
-
-
-def write_listops_fixture(root: Path) -> None:
-    folder = root / "listops-1000"
-    folder.mkdir(parents=True)
-    for split in ("train", "val", "test"):
-        with open(folder / f"basic_{split}.tsv", "w", newline="") as f:
-            f.write("Source\tTarget\n")
-            for source, target in LISTOPS_ROWS:
-                f.write(f"{source}\t{target}\n")
-
-
-AAN_LINES = [
-    "1\tid/a\tid/b\tb'Attention is all you need.'\tb\"We cite \\xe2\\x80\\x9cattention\\xe2\\x80\\x9d here.\\n\"",
-    "0\tid/c\tid/d\tb'Unrelated paper about parsing.'\tb'Graph neural networks'",
-    "1.0\tid/e\tid/f\tplain text one\tplain text two",
-    "0\tid/g\tid/h\tb'short'\tb'also short'",
-]
-
-
-def write_aan_fixture(root: Path) -> None:
-    folder = root / "tsv_data"
-    folder.mkdir(parents=True)
-    for name in ("train", "eval", "test"):
-        (folder / f"new_aan_pairs.{name}.tsv").write_text("\n".join(AAN_LINES) + "\n")
-
-
-def write_imdb_fixture(root: Path) -> None:
-    """A ``DatasetDict.save_to_disk`` copy at ``<root>/imdb`` (how an offline machine provides IMDB)."""
-    import datasets
-
-    def split(n: int) -> datasets.Dataset:
-        texts = [("A wonderful film! " if i % 2 else "Dull and slow. ") * (i + 1) for i in range(n)]
-        return datasets.Dataset.from_dict({"text": texts, "label": [i % 2 for i in range(n)]})
-
-    datasets.DatasetDict({"train": split(6), "test": split(4)}).save_to_disk(str(root / "imdb"))
-
-
-def write_pathfinder_fixture(root: Path, resolution: int, difficulty: str, n_files: int = 2, per_file: int = 5) -> list[int]:
-    """Random images + text metadata in the released layout; returns the labels in file order."""
-    folder = root / f"pathfinder{resolution}" / difficulty
-    rng = np.random.default_rng(resolution)
-    labels = []
-    (folder / "metadata").mkdir(parents=True)
-    for k in range(n_files):
-        (folder / "imgs" / str(k)).mkdir(parents=True)
-        lines = []
-        for i in range(per_file):
-            label = int(rng.integers(0, 2))
-            Image.fromarray(rng.integers(0, 256, (resolution, resolution), dtype=np.uint8)).save(
-                folder / "imgs" / str(k) / f"sample_{i}.png")
-            lines.append(f"imgs/{k} sample_{i}.png {i} {label} 1.0 14 4 2 0.5 1 1")
-            labels.append(label)
-        (folder / "metadata" / f"{k}.npy").write_text("\n".join(lines) + "\n")
-    return labels
 
 
 def test_listops_fixture_loads_with_lra_tokenization(tmp_path):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from test_report import VALUES, fake_job
+from sweep_files import VALUES, fake_job
 
 from longseq.report.notebooks import execute_notebook
 

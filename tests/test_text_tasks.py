@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import time
 import urllib.error
-import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import compose_config
+from dataset_files import english_like, enwik8_payload, text8_payload, write_byte_zip
 
 from longseq.data import text as text_data
 from longseq.data.c4 import FIRST_NORMAL_ID, MASK_ID, C4MLMDataModule, bert_mask, pack_segments
@@ -30,36 +30,6 @@ from longseq.data.text import (
 from longseq.data.wiki40b import Wiki40bDataModule, wiki40b_to_text
 from longseq.data.wikitext import WikiText103DataModule
 from longseq.runner import build_datamodule, build_module, evaluate, train
-
-WORDS = ("the of and to in a is was for on as with by he at from his an were are which this be or has had first "
-         "one their its new after who they have her she two been other when there all during into school time may "
-         "years more most only over city some world would where later up such used many can state about national "
-         "out known university united then made").split()
-
-
-def english_like(n_words: int, seed: int = 0) -> list[str]:
-    """Sentences of common words (deterministic), enough structure for a tokenizer to learn pieces."""
-    rng = np.random.default_rng(seed)
-    words = rng.choice(WORDS, size=n_words, p=np.linspace(2, 1, len(WORDS)) / np.linspace(2, 1, len(WORDS)).sum())
-    return [" ".join(words[i : i + 12]).capitalize() + "." for i in range(0, n_words, 12)]
-
-
-def write_byte_zip(data_dir: Path, name: str, payload: bytes) -> Path:
-    """``<data_dir>/<name>/<name>.zip`` holding one member ``<name>`` (the release layout of enwik8 / text8)."""
-    root = data_dir / name
-    root.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(root / f"{name}.zip", "w", zipfile.ZIP_DEFLATED) as archive:
-        archive.writestr(name, payload)
-    return root / f"{name}.zip"
-
-
-def enwik8_payload(n_bytes: int = 20_000) -> bytes:
-    body = "\n".join(f"  <page><title>{s[:20]}</title><text>{s} &amp; [[link]]</text></page>" for s in english_like(4000))
-    return ("<mediawiki>\n" + body).encode()[:n_bytes]
-
-
-def text8_payload(n_chars: int = 20_000) -> bytes:
-    return " ".join(english_like(4000)).lower().replace(".", "").encode()[:n_chars]
 
 
 def save_hf(data_dir: Path, name: str, splits: dict[str, dict[str, list]]) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, compose_config
-from test_image_data import write_cifar10_fixture, write_imagenet64_fixture
+from dataset_files import write_cifar10_fixture, write_imagenet64_fixture
 
 from longseq.runner import evaluate, train
 
