@@ -16,6 +16,9 @@ from helpers import (
     random_qkv,
 )
 
+import longseq.attention.combiner.routing as combiner_routing_module
+import longseq.attention.ops.clustering as clustering_module
+import longseq.attention.sparse.routing as routing_module
 from longseq.attention import AttentionConfigError, build_attention
 from longseq.attention.ops.clustering import OnlineKMeans, balanced_assignment
 from longseq.attention.ops.geometry import cluster_order
@@ -160,6 +163,74 @@ def test_gradcheck(causal):
     attn = make(causal, 2, 4, H=1, D=4)
     q, k, v = random_qkv(B=1, H=1, L=8, D=4, requires_grad=True, seed=4)
     assert torch.autograd.gradcheck(attn, (q, k, v), eps=1e-6, atol=1e-6, fast_mode=True)
+
+
+# -- the fused CPU flash path (unpadded, dropout-free forward) -----------------------------------------
+
+
+def output_and_grads(attn, q, k, v):
+    """forward and the gradients of ``sum(out * w)`` (a fixed random w) over q, k, v and the parameters (zero
+    when unused: with one cluster or one segment no summary is computed)."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    attn.zero_grad(set_to_none=True)
+    out = attn(*leaves)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype))
+    return out.detach(), [x.grad for x in leaves] + [torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                                                     for p in attn.parameters()]
+
+
+@pytest.mark.parametrize("L,K,block", GEOMETRIES)
+@pytest.mark.parametrize("name,summary", [("routing", None), ("combiner_routing", "max"),
+                                          ("combiner_routing", "mean"), ("combiner_routing", "deepsets_max")])
+def test_flash_path_matches_explicit_path(name, summary, L, K, block, monkeypatch):
+    """Causal fp64: the fused flash forward and its hand-written backward equal the explicit logits path
+    (outputs and every gradient), in every geometry (one cluster, one segment, several members per segment)."""
+    torch.manual_seed(0)
+    extra = {} if summary is None else {"summary": summary}
+    attn = build_attention(name, causal=True, n_clusters=K, block_size=block, n_heads=2, head_dim=8, **extra)
+    attn = attn.double().eval()  # the centroids stay put between the two runs
+    q, k, v = random_qkv(L=L, seed=L + K)
+    flash = output_and_grads(attn, q, k, v)
+    module = routing_module if name == "routing" else combiner_routing_module
+    monkeypatch.setattr(module, "flash_applies", lambda *args: False)
+    explicit = output_and_grads(attn, q, k, v)
+    torch.testing.assert_close(flash[0], explicit[0], atol=1e-12, rtol=0)
+    for a, b in zip(flash[1], explicit[1]):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("name,L,K,block", [("routing", 16, 2, 4), ("combiner_routing", 16, 2, 4),
+                                            ("combiner_routing", 12, 3, 3), ("combiner_routing", 16, 4, 4)])
+def test_flash_path_gradcheck(name, L, K, block):
+    """The fused path's autograd functions (``_ClusterSlotsFlash``, ``_PermuteRows``, the pools' running max) against
+    finite differences, with routed, overflow, segment-0 and several-members-per-segment queries."""
+    attn = build_attention(name, causal=True, n_clusters=K, block_size=block, n_heads=1, head_dim=4).double().eval()
+    q, k, v = random_qkv(B=1, H=1, L=L, D=4, requires_grad=True, seed=5)
+    assert torch.autograd.gradcheck(attn, (q, k, v), eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name", ["routing", "combiner_routing"])
+def test_head_groups_match_one_group(name, causal, monkeypatch):
+    """Heads run in groups (``TEMPORARY_BYTES``): one head per group gives the same outputs, gradients and, in
+    training, the same centroid update as all heads at once (padded too for combiner_routing)."""
+    def run():
+        attn = build_attention(name, causal=causal, n_clusters=4, block_size=8, n_heads=3, head_dim=8).double().train()
+        q, k, v = random_qkv(B=2, H=3, L=32, seed=7)
+        out, grads = output_and_grads(attn, q, k, v)
+        results = [out, *grads, attn.kmeans.centroids.clone()]
+        if name == "combiner_routing":
+            pad = padding_patterns(32, seed=8)[:2]
+            q, k, v = random_qkv(B=2, H=3, L=32, seed=9)
+            results.append(attn(q, k, v, key_padding_mask=pad))
+        return attn.head_group(q), results
+
+    groups, together = run()
+    monkeypatch.setattr(clustering_module, "TEMPORARY_BYTES", 1)
+    one, apart = run()
+    assert groups == 3 and one == 1
+    for a, b in zip(together, apart):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
 
 
 # -- the k-means module -------------------------------------------------------------------------
