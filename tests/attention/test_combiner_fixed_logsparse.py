@@ -25,6 +25,8 @@ from helpers import (
 
 from longseq.attention import AttentionConfigError, build_attention
 from longseq.attention.combiner.summary import SUMMARY_KINDS
+from longseq.attention.ops.geometry import num_log_levels
+from longseq.attention.ops.log_levels import summarized_blocks
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "attention"
 
@@ -38,7 +40,8 @@ def one_thread():
     torch.set_num_threads(threads)
 
 # (variant, L, block_size) — edges: m = 1, m = L (one segment), L = 1, L = 2^k + 1 for logsparse
-FIXED_SIZES = [(16, 4), (16, 1), (16, 16), (12, 3), (1, 1), (6, 2)]
+# (40, 2): 20 segments, more than SUMMARY_CHUNKS, so the causal summary chunks hold several segments each
+FIXED_SIZES = [(16, 4), (16, 1), (16, 16), (12, 3), (1, 1), (6, 2), (40, 2)]
 LOGSPARSE_SIZES = [1, 2, 3, 9, 12, 16, 17, 31]
 CASES = [("combiner_fixed", L, m) for L, m in FIXED_SIZES] + [("combiner_logsparse", L, None) for L in LOGSPARSE_SIZES]
 
@@ -211,6 +214,51 @@ def test_gradcheck(name, L, m, causal, summary):
     attn = build(name, causal, m, summary=summary, head_dim=4)
     q, k, v = random_qkv(B=1, H=2, L=L, D=4, seed=6, requires_grad=True)
     assert torch.autograd.gradcheck(attn, (q, k, v), eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("summary", ["max", "mean"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_fixed_gradcheck_with_chunked_summaries(causal, summary):
+    """20 segments: the fast path's causal summary chunks span several segments (a staircase mask inside each)."""
+    attn = build("combiner_fixed", causal, 2, summary=summary, head_dim=4)
+    n = 20
+    q, k, v = random_qkv(B=1, H=1, L=2 * n, D=4, seed=15, requires_grad=True)
+    chunks = attn.summary_plan(n, 2, q)
+    assert [c.first for c in chunks] == sorted({c.first for c in chunks}) and chunks[-1].stop == n
+    if causal:
+        assert 1 < len(chunks) < n and all(c.usable == c.stop - 1 for c in chunks)
+    assert torch.autograd.gradcheck(attn, (q, k, v), eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name,L,m", [("combiner_fixed", 8, 2), ("combiner_logsparse", 7, None)])
+def test_gradcheck_with_weight_dropout(name, L, m, causal):
+    """Training with dropout on p(j|R): the same seed gives the same draws, so the hand-written backward through
+    the dropped inner weights can be checked numerically."""
+    kw = {"block_size": m} if m else {}
+    attn = build_attention(name, causal=causal, dropout=0.3, **kw).double().train()
+    q, k, v = random_qkv(B=1, H=2, L=L, D=4, seed=16, requires_grad=True)
+
+    def seeded(q, k, v):
+        torch.manual_seed(0)
+        return attn(q, k, v)
+
+    with torch.no_grad():
+        dropped = seeded(q, k, v)
+        torch.testing.assert_close(seeded(q, k, v), dropped, atol=0, rtol=0)
+        assert not torch.allclose(dropped, attn.eval()(q, k, v))
+    attn.train()
+    assert torch.autograd.gradcheck(seeded, (q, k, v), eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("L", [3, 9, 16, 17, 31])
+def test_summarized_blocks_are_the_partition_regions(L):
+    """``log_levels.summarized_blocks`` (the members the fast path pools) are exactly the causal partition's regions."""
+    positions = torch.arange(L).view(1, L, 1)
+    fast = {frozenset(block.flatten().tolist())
+            for level in range(1, num_log_levels(L)) for block in summarized_blocks(positions, level)[0]}
+    part = build("combiner_logsparse", True).partition(L)
+    assert fast == {frozenset(r.nonzero().flatten().tolist()) for r in part.members}
 
 
 @pytest.mark.parametrize("name,m", [("combiner_fixed", 4), ("combiner_logsparse", None)])
