@@ -21,7 +21,7 @@ from helpers import CASES, build, random_qkv
 import longseq.attention
 from longseq.attention import ATTENTION_REGISTRY
 from longseq.attention.ops.joint_softmax import LogitGroup, _CausalRowColumnFlash, joint_groups_attention
-from longseq.attention.ops.prefix_sums import _EarlierChunks
+from longseq.attention.ops.prefix_sums import causal_kernel_attention
 from longseq.runner import train
 
 OUTPUT_RTOL = 0.02
@@ -118,14 +118,14 @@ def flash_call(rows, cols):
     return _CausalRowColumnFlash.apply(*rows4, *cols4, D**-0.5)
 
 
-def earlier_chunks_call(rows, cols):
-    """Causal kernel attention's running state across chunks: (N, n, C, F) features, (N, n, C, E) values."""
-    fq, fk, vals = (x.flatten(0, 1) for x in (rows[0], rows[1], cols[1].transpose(2, 3)))  # (2, 3, 4, 8): 3 chunks of 4
-    return _EarlierChunks.apply(fq.abs(), fk.abs(), vals)
+def causal_kernel_call(rows, cols):
+    """Causal kernel attention, states carried across tiles: (1, 2, 12, 8) features and values, tiles of one chunk of 4."""
+    fq, fk, v = (x.flatten(2, 3) for x in (rows[0], rows[1], cols[1].transpose(2, 3)))
+    return causal_kernel_attention(fq.abs(), fk.abs(), v, chunk_size=4, tile_size=1)
 
 
-@pytest.mark.parametrize("call", [joint_call, flash_call, earlier_chunks_call],
-                         ids=["joint", "causal_flash", "earlier_chunks"])
+@pytest.mark.parametrize("call", [joint_call, flash_call, causal_kernel_call],
+                         ids=["joint", "causal_flash", "causal_kernel"])
 @pytest.mark.parametrize("backward_in_autocast", [False, True])
 def test_function_under_autocast_equals_plain_bf16(call, backward_in_autocast):
     """Mixed fp32/bf16 inputs inside autocast give exactly the all-bf16 result outside autocast, gradients

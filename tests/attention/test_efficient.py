@@ -18,8 +18,16 @@ from helpers import (
 )
 
 from longseq.attention import AttentionConfigError, build_attention
+from longseq.attention.efficient.linear import EluFeatures
 from longseq.attention.efficient.nystrom import iterative_pinv
-from longseq.attention.ops.prefix_sums import causal_kernel_attention, kernel_attention, kernel_weights
+from longseq.attention.ops import prefix_sums
+from longseq.attention.ops.prefix_sums import (
+    causal_kernel_attention,
+    kernel_attention,
+    kernel_weights,
+    key_features,
+    query_features,
+)
 
 H, D = 2, 8
 COMMON = dict(n_heads=H, head_dim=D)
@@ -268,9 +276,11 @@ def test_performer_orthogonal_blocks():
 
 
 @pytest.mark.parametrize("shift", [0.0, 0.3])
+@pytest.mark.parametrize("tiles", [None, 1, 2], ids=["one_tile", "tiles_of_1", "tiles_of_2"])
 @pytest.mark.parametrize("L,chunk", [(16, 4), (17, 4), (5, 8), (16, 1), (16, 16)])
-def test_prefix_sums_any_length_and_chunk(L, chunk, shift):
-    """Chunked causal prefix sums (any L, any chunk) and the bidirectional form equal the dense weights."""
+def test_prefix_sums_any_length_and_chunk(L, chunk, tiles, shift):
+    """Chunked causal prefix sums (any L, any chunk, states carried across tiles of 1 or 2 chunks) and the
+    bidirectional form equal the dense weights."""
     g = torch.Generator().manual_seed(1)
     phi_q, phi_k = (torch.rand(2, 3, L, 6, generator=g, dtype=torch.float64) + 0.1 for _ in range(2))
     v = torch.randn(2, 3, L, 5, generator=g, dtype=torch.float64)
@@ -280,30 +290,84 @@ def test_prefix_sums_any_length_and_chunk(L, chunk, shift):
             dense = dense.tril()
         weights = dense / dense.sum(-1, keepdim=True)
         torch.testing.assert_close(kernel_weights(phi_q, phi_k, causal, shift), weights, atol=1e-12, rtol=0)
-        fast = causal_kernel_attention(phi_q, phi_k, v, chunk, shift) if causal else kernel_attention(phi_q, phi_k, v, shift)
+        if causal:
+            fast = causal_kernel_attention(phi_q, phi_k, v, chunk, shift, tile_size=tiles)
+        else:
+            fast = kernel_attention(phi_q, phi_k, v, shift)
         torch.testing.assert_close(fast, weights @ v, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("tiles", [None, 1])
+def test_causal_key_scales_in_units_of_the_running_maximum(tiles):
+    """Key log scales spanning 200 (exp overflows fp64 at 709 but the sum of two would lose every small key
+    next to a large one if the constant were not shared): outputs equal the dense weights, with the largest
+    log scales arriving in a late tile so the carried state is rescaled on the way."""
+    L = 12
+    g = torch.Generator().manual_seed(3)
+    phi_q, phi_k = (torch.rand(1, 2, L, 4, generator=g, dtype=torch.float64) + 0.1 for _ in range(2))
+    v = torch.randn(1, 2, L, 3, generator=g, dtype=torch.float64)
+    log_scale = torch.linspace(-100, 100, L, dtype=torch.float64).view(1, 1, L, 1).repeat(1, 2, 1, 1)
+    log_scale[:, 1] = log_scale[:, 1].flip(1)  # head 1: largest first
+    weights = kernel_weights(phi_q, phi_k * torch.exp(log_scale - 100), True)
+    fast = causal_kernel_attention(phi_q, phi_k, v, 3, log_key_scale=log_scale, tile_size=tiles)
+    torch.testing.assert_close(fast, weights @ v, atol=1e-12, rtol=0)
+
+
+def test_causal_inference_and_strided_inputs_match():
+    """``no_grad`` (no kernel blocks kept) and non-contiguous inputs (the model's permuted q, k, v views) give
+    the training forward's output."""
+    attn = make("performer", True, chunk_size=4)
+    qkv = torch.randn(2, 16, 3, H, D, dtype=torch.float64)  # (B, L, 3, H, D), as the model's qkv Linear
+    q, k, v = qkv.permute(2, 0, 3, 1, 4)
+    expected = attn(*(x.contiguous().requires_grad_() for x in (q, k, v)))
+    torch.testing.assert_close(attn(q, k, v), expected, atol=1e-13, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(attn(q, k, v), expected, atol=1e-13, rtol=0)
+
+
+@pytest.mark.parametrize("tiles", [None, 1])
 @pytest.mark.parametrize("shift", [0.0, 0.3])
 @pytest.mark.parametrize("L,chunk", [(7, 3), (6, 2), (4, 8)])
-def test_causal_prefix_sums_gradcheck(L, chunk, shift):
-    """The chunked causal path (masked in-chunk block + running state across chunks, hand-written backward)
-    has exact gradients in the features, the values and the per-key scale (fp64 gradcheck, tiny size)."""
+def test_causal_prefix_sums_gradcheck(L, chunk, shift, tiles):
+    """The chunked, tiled causal path (masked in-chunk blocks, per-chunk states, carries across tiles,
+    hand-written backward) has exact gradients in the features, the values and the per-key scale (fp64
+    gradcheck, tiny size)."""
     g = torch.Generator().manual_seed(2)
     phi_q, phi_k = ((torch.rand(1, 2, L, 3, generator=g, dtype=torch.float64) + 0.1).requires_grad_() for _ in range(2))
     v = torch.randn(1, 2, L, 2, generator=g, dtype=torch.float64, requires_grad=True)
     key_scale = (torch.rand(1, 2, L, 1, generator=g, dtype=torch.float64) + 0.5).requires_grad_()
     torch.autograd.gradcheck(
-        lambda a, b, c, s: causal_kernel_attention(a, b, c, chunk, shift, s), (phi_q, phi_k, v, key_scale)
+        lambda a, b, c, s: causal_kernel_attention(a, b, c, chunk, shift, s, tile_size=tiles), (phi_q, phi_k, v, key_scale)
     )
 
 
+@pytest.mark.parametrize("tiles", ["one_tile", "one_chunk_per_tile"])
 @pytest.mark.parametrize("case", ["linear", "performer", "performer_relu"])
-def test_causal_kernel_attention_gradcheck(case):
-    """Causal ``linear`` / ``performer`` end to end: fp64 gradcheck in q, k, v at L = 9 (chunks of 4, a padded tail)."""
+def test_causal_kernel_attention_gradcheck(case, tiles, monkeypatch):
+    """Causal ``linear`` / ``performer`` end to end (feature maps inside the tiles, recomputed in backward):
+    fp64 gradcheck in q, k, v at L = 9 (chunks of 4, a padded tail), in one tile or one tile per chunk."""
+    if tiles == "one_chunk_per_tile":
+        monkeypatch.setattr(prefix_sums, "TILE_ROWS", 1)
     attn = make(case, True, chunk_size=4, **({"n_features": 6} if case != "linear" else {}))
     q, k, v = random_qkv(B=1, H=1, L=9, D=D, requires_grad=True)
     torch.autograd.gradcheck(attn, (q, k, v))
+
+
+@pytest.mark.parametrize("case", ["linear", "performer", "performer_relu"])
+def test_feature_maps_gradcheck(case):
+    """The feature maps' hand-written vector-Jacobian products (used by the causal tiles, and through
+    ``query_features`` / ``key_features`` by the bidirectional path): fp64 gradcheck of the query features
+    and of the key features ``unit * exp(log scale)`` (the split between the two is a constant per key)."""
+    attn = make(case, False, **({"n_features": 6} if case != "linear" else {}))
+    feature_map = attn.feature_map() if case != "linear" else EluFeatures(D)
+    q, k, _ = random_qkv(B=1, H=1, L=5, D=D, requires_grad=True)
+
+    def keys(x):
+        unit, log_scale = key_features(feature_map, x)
+        return unit if log_scale is None else unit * log_scale.exp()
+
+    torch.autograd.gradcheck(lambda x: query_features(feature_map, x), (q,))
+    torch.autograd.gradcheck(keys, (k,))
 
 
 def test_fnet_two_dimensional_dft():
