@@ -16,6 +16,7 @@ import pkgutil
 
 import pytest
 import torch
+from dataset_files import write_cifar10_fixture
 from helpers import CASES, build, random_qkv
 
 import longseq.attention
@@ -178,3 +179,22 @@ def test_bf16_mixed_trains_on_cpu(make_cfg):
 def test_bf16_mixed_trains_every_attention(name, make_cfg):
     metrics = bf16_mixed_run(name, make_cfg)
     assert 0 < metrics["val/bpd"] < 10
+
+
+BIDIRECTIONAL_ONLY_NAMES = sorted(n for n in ATTENTION_REGISTRY if not ATTENTION_REGISTRY[n].cls.supports_causal)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BIDIRECTIONAL_ONLY_NAMES)
+def test_bf16_mixed_trains_every_bidirectional_only_attention(name, make_cfg, tmp_path):
+    """The attentions digits cannot run (no causal mode) train under bf16-mixed on LRA Image (L = 1024, a
+    CIFAR-10 fixture in its real format)."""
+    write_cifar10_fixture(tmp_path)
+    metrics = train(make_cfg([
+        "task=lra_image", f"paths.data_dir={tmp_path}", "task.data.download=false",
+        "task.data.verify_checksums=false", "task.data.val_size=4", f"attention={name}",
+        "trainer.accelerator=cpu", "trainer.precision=bf16-mixed", "trainer.max_steps=3",
+        "trainer.limit_val_batches=1", "task.batch_size=2", "model.n_layers=1", "model.d_model=32",
+        "model.n_heads=2", "test=false",
+    ]))
+    assert 0 < metrics["val/loss"] < 10 and 0 <= metrics["val/acc"] <= 1
