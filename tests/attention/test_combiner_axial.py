@@ -329,23 +329,34 @@ POOLED_CONFIGS = [cfg for cfg in CONFIGS if cfg[0] != "combiner_axial"]
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
 @pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
 def test_inference_path_equals_training_path(cfg, causal, padded, monkeypatch):
-    """``no_grad`` takes the inference path of the joint softmax (output divided by the normalizer once, no
-    weights kept for backward); it equals the autograd path and ``attention_matrix @ v`` (fp64)."""
-    import longseq.attention.ops.joint_softmax as mixture
+    """``no_grad`` takes the inference path of the joint softmax — without key padding the fused flash parts
+    (``_GridFlash``) run with autograd off, so nothing is kept for backward; with padding
+    ``_JointGroupsAttention`` divides the output by the normalizer once and keeps no weights — and equals the
+    autograd path and ``attention_matrix @ v`` (fp64)."""
+    import longseq.attention.ops.joint_softmax as joint
 
     name, extra = cfg
     L, m = 12, 3
     attn = make(name, causal, m, **extra)
     pad = padding_cases(L, m) if padded else None
     q, k, v = random_qkv(B=6, H=H, L=L, D=D, seed=21, requires_grad=True)
-    calls = []
-    original = mixture._JointGroupsAttention.forward
+    calls = []  # per joint softmax: whether it builds what backward needs
+    if padded:
+        original = joint._JointGroupsAttention.forward
 
-    def spy(ctx, layouts, masks, keep_weights, *tensors):
-        calls.append(keep_weights)
-        return original(ctx, layouts, masks, keep_weights, *tensors)
+        def spy(ctx, layouts, masks, keep_weights, *tensors):
+            calls.append(keep_weights)
+            return original(ctx, layouts, masks, keep_weights, *tensors)
 
-    monkeypatch.setattr(mixture._JointGroupsAttention, "forward", staticmethod(spy))
+        monkeypatch.setattr(joint._JointGroupsAttention, "forward", staticmethod(spy))
+    else:
+        original = joint._GridFlash.apply
+
+        def spy(cls, *args):
+            calls.append(torch.is_grad_enabled())
+            return original(*args)
+
+        monkeypatch.setattr(joint._GridFlash, "apply", classmethod(spy))
     with torch.no_grad():
         inference = attn(q, k, v, key_padding_mask=pad)
     training = attn(q, k, v, key_padding_mask=pad)
@@ -357,21 +368,110 @@ def test_inference_path_equals_training_path(cfg, causal, padded, monkeypatch):
     torch.testing.assert_close(inference, P @ v.detach(), atol=1e-10, rtol=0)
 
 
-def test_running_max_inference_scan_equals_cummax():
-    """``summary.running_max`` without autograd (in-place scan) gives exactly ``cummax``'s values, ties and
-    -inf included, along any axis; with autograd it is ``cummax`` (gradients reach the argmax positions)."""
+@pytest.mark.parametrize("length", [1, 7, 12, 16])  # prime (plain scan), non-square and square block layouts
+def test_running_max_equals_cummax(length):
+    """``ops.running_max`` (the blocked scan behind ``summary.running_max``) gives exactly ``cummax``'s values,
+    ties and -inf included, along any axis, prefix or suffix (``reverse``), with or without autograd; its
+    gradient is the one ``cummax``'s indices route (to the latest position attaining the max, in scan order)."""
     from longseq.attention.combiner.summary import running_max
+    from longseq.attention.ops.running_max import running_maxes
 
     g = torch.Generator().manual_seed(3)
-    x = torch.randint(-3, 3, (2, 5, 7, 4), generator=g).double()  # many ties
+    x = torch.randint(-3, 3, (2, length, 5, 4), generator=g).double()  # many ties
     x[0, :, 2] = float("-inf")
+    upstream = torch.randn(x.shape, generator=g, dtype=x.dtype)
     for dim in range(-4, 4):
-        with torch.no_grad():
-            torch.testing.assert_close(running_max(x, dim), torch.cummax(x, dim).values, atol=0, rtol=0)
-    leaf = x.clone().requires_grad_()
-    running_max(leaf, -2).sum().backward()
-    expected = torch.zeros_like(x).scatter_add_(-2, torch.cummax(x, -2).indices, torch.ones_like(x))
-    torch.testing.assert_close(leaf.grad, expected, atol=0, rtol=0)
+        for reverse in (False, True):
+            def in_scan_order(t):  # the suffix scan is the prefix scan of the flipped axis
+                return t.flip(dim) if reverse else t  # noqa: B023  (used inside this iteration only)
+
+            expected = torch.cummax(in_scan_order(x), dim)
+            with torch.no_grad():
+                torch.testing.assert_close(running_max(x, dim, reverse), in_scan_order(expected.values), atol=0, rtol=0)
+            leaf = x.clone().requires_grad_()
+            running_max(leaf, dim, reverse).backward(upstream)
+            routed = torch.zeros_like(x).scatter_add_(dim, expected.indices, in_scan_order(upstream))
+            torch.testing.assert_close(leaf.grad, in_scan_order(routed), atol=1e-12, rtol=0)
+    a, b = (torch.randn(2, length, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    assert torch.autograd.gradcheck(lambda s, t: running_maxes((s, t), 1), (a, b))
+    assert torch.autograd.gradcheck(lambda s, t: running_maxes((s, t), 1, reverse=True), (a, b))
+
+
+def test_max_excluding_own_values_and_gradients():
+    """``ops.running_max.maxes_excluding_own``: for each position the max of all the others (ties included), and
+    a gradient that passes gradcheck."""
+    from longseq.attention.ops.running_max import maxes_excluding_own
+
+    g = torch.Generator().manual_seed(4)
+    ties = torch.randint(-2, 2, (2, 3, 5, 4), generator=g).double()
+    for dim in (1, 2, -1):
+        T = ties.shape[dim]
+        expected = torch.stack([torch.cat([ties.narrow(dim, 0, t), ties.narrow(dim, t + 1, T - t - 1)], dim).amax(dim)
+                                for t in range(T)], dim)
+        torch.testing.assert_close(maxes_excluding_own((ties,), dim)[0], expected, atol=0, rtol=0)
+    a, b = (torch.randn(2, 5, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    assert torch.autograd.gradcheck(lambda s, t: maxes_excluding_own((s, t), 1), (a, b))
+    two = torch.randn(2, 2, 3, generator=g, dtype=torch.float64, requires_grad=True)  # the shortest axis: swap
+    assert torch.autograd.gradcheck(lambda s: maxes_excluding_own((s,), 1), (two,))
+
+
+def test_grid_flash_parts_gradcheck():
+    """``grid_flash_attention`` on a 3 x 4 grid (fp64): a causal row part, a column part on shifted windows, a masked
+    row part on a column-stored operand, a masked column part on a column window — equals one explicit softmax
+    over the same keys, and passes gradcheck."""
+    from longseq.attention.ops.joint_softmax import FlashPart, grid_flash_attention
+
+    n, m, D = 3, 4, 4
+    g = torch.Generator().manual_seed(6)
+    q, k, v, sk, sv = (torch.randn(2, n, m, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(5))
+    ck, cv = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (sk, sv))  # stored (BH, m, n, D)
+    diagonal_m = torch.zeros(m, m, dtype=torch.float64).fill_diagonal_(float("-inf"))
+    diagonal_n = torch.zeros(n, n, dtype=torch.float64).fill_diagonal_(float("-inf"))
+    parts = [
+        FlashPart("row", (0, n, 0, m), (0, n, 0, m), (0, 1, 2), causal=True),  # own row up to self
+        FlashPart("col", (1, n, 0, m), (0, n - 1, 0, m), (0, 1, 2), causal=True),  # own column, earlier rows
+        FlashPart("row", (1, n, 0, m), (0, n - 1, 0, m), (0, 5, 6), mask=diagonal_m),  # row r-1 of (ck, cv), c' != c
+        FlashPart("col", (0, n, 1, m), (0, n, 0, m - 1), (0, 3, 4), mask=diagonal_n),  # column c-1 of (sk, sv), r' != r
+    ]
+    layouts = ["row"] * 5 + ["col"] * 2
+
+    def run(*tensors):
+        return grid_flash_attention(parts, list(tensors), layouts, D**-0.5)
+
+    # the same joint softmax written out per query
+    qs = q.detach() * D**-0.5
+    expected = torch.zeros(2, n, m, D, dtype=torch.float64)
+    for r in range(n):
+        for c in range(m):
+            keys = [k[:, r, :c + 1], k[:, :r, c], ck[:, [cc for cc in range(m) if cc != c], r - 1] if r else None,
+                    sk[:, [rr for rr in range(n) if rr != r], c - 1] if c else None]
+            values = [v[:, r, :c + 1], v[:, :r, c], cv[:, [cc for cc in range(m) if cc != c], r - 1] if r else None,
+                      sv[:, [rr for rr in range(n) if rr != r], c - 1] if c else None]
+            keys = torch.cat([x.detach() for x in keys if x is not None], 1)
+            values = torch.cat([x.detach() for x in values if x is not None], 1)
+            weights = (keys @ qs[:, r, c].unsqueeze(-1)).squeeze(-1).softmax(-1)
+            expected[:, r, c] = (weights.unsqueeze(-1) * values).sum(1)
+    torch.testing.assert_close(run(q, k, v, sk, sv, ck, cv), expected, atol=1e-12, rtol=0)
+    assert torch.autograd.gradcheck(run, (q, k, v, sk, sv, ck, cv))
+
+
+@pytest.mark.parametrize("cfg", POOLED_CONFIGS, ids=config_id)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+def test_fused_path_matches_explicit_path(cfg, causal, monkeypatch):
+    """The fused flash path (CPU, fp64 here) and the explicit joint softmax give the same outputs and gradients."""
+    import longseq.attention.combiner.pooled_axial as pooled
+
+    name, extra = cfg
+    attn = make(name, causal, 4, **extra)
+    q, k, v = random_qkv(B=2, H=H, L=24, D=D, seed=8, requires_grad=True)
+    upstream = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(9))
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(pooled, "grid_flash_applies", lambda *tensors, fused=fused: fused)
+        out = attn(q, k, v)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), upstream)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
 
 
 def test_learned_summary_key_layer_norm_uses_flax_epsilon():
