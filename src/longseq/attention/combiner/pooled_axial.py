@@ -84,6 +84,7 @@ from longseq.attention.ops.joint_softmax import (
     with_padding_fallback,
 )
 from longseq.attention.ops.masks import NEG_INF, causal_mask
+from longseq.attention.ops.memory import FRESH_MAP_BYTES, heads_per_group
 from longseq.attention.ops.partition import Partition
 from longseq.attention.ops.running_max import maxes_excluding_own, running_maxes
 from longseq.attention.registry import register_attention
@@ -91,11 +92,10 @@ from longseq.attention.registry import register_attention
 VERTICAL, HORIZONTAL = 0, 1
 PLANS = ("joint", "average")
 HORIZONTAL_REGIONS = ("whole", "split")
-# The fused path runs on groups of heads of at most this many bytes per (heads, L, D) tensor. glibc maps blocks of
-# 32 MiB and more afresh on every allocation: page-faulting one in measured ~14 ms against ~1 ms for a recycled
-# buffer of the same size. Mixture fwd+bwd, L = 16384, 8 heads, one thread: 2.05 s in groups of 8 MiB (2 heads),
-# 2.08 s at 4 MiB, 2.15 s at 16 MiB, 2.36 s with all heads at once.
-HEAD_GROUP_BYTES = 8 * 2**20
+# The fused path runs on groups of heads of at most this many bytes per (heads, L, D) tensor (``ops.memory``: a
+# fresh 32 MiB block page-faults, ~14 ms). Mixture fwd+bwd, L = 16384, 8 heads, one thread: 2.05 s in groups of
+# 8 MiB (2 heads), 2.08 s at 4 MiB, 2.15 s at 16 MiB, 2.36 s with all heads at once.
+HEAD_GROUP_BYTES = FRESH_MAP_BYTES // 4
 
 
 class PooledAxialAttention(BlockGrid, PooledCombiner, Attention):
@@ -362,7 +362,7 @@ class PooledAxialAttention(BlockGrid, PooledCombiner, Attention):
         independent) whose ``(heads, L, D)`` tensors stay under ``HEAD_GROUP_BYTES``."""
         B, H, L, D = q.shape
         rows = [x.reshape(B * H, grid.n_rows, grid.n_cols, x.shape[-1]) for x in (q, k, v)]
-        group = max(1, HEAD_GROUP_BYTES // (L * D * q.element_size()))
+        group = heads_per_group(B * H, L * D * q.element_size(), HEAD_GROUP_BYTES)
         outs = [self.forward_flash(*heads) for heads in zip(*(x.split(group) for x in rows))]
         return (outs[0] if len(outs) == 1 else torch.cat(outs)).view(B, H, L, -1)
 

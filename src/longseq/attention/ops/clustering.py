@@ -57,6 +57,7 @@ from longseq.attention.ops.amp import autocast_function
 from longseq.attention.ops.decoding import DecodingState
 from longseq.attention.ops.geometry import check_block_size, cluster_order
 from longseq.attention.ops.masks import NEG_INF, causal_mask
+from longseq.attention.ops.memory import FRESH_MAP_BYTES, heads_per_group
 
 
 def balanced_assignment(scores: torch.Tensor, deferred: torch.Tensor | None = None,
@@ -270,9 +271,9 @@ class ClusteredState(DecodingState):
         self.summary = {}
 
 
-# glibc's malloc maps allocations of 32 MiB and more afresh (its largest mmap threshold), so each one page-faults on
-# every call (~20 ms per 32 MiB measured here); smaller freed blocks are reused. Head groups keep temporaries below.
-TEMPORARY_BYTES = 16 * 2**20
+# Head groups keep every temporary below glibc's fresh-mmap size (``ops.memory``; ~20 ms of page faults per
+# 32 MiB block measured here).
+TEMPORARY_BYTES = FRESH_MAP_BYTES // 2
 
 
 class ClusteredAttention(Attention):
@@ -373,7 +374,7 @@ class ClusteredAttention(Attention):
             return H
         K = self.n_clusters
         widest = max(L // K, K, D, self.segment_len(L) if self.causal else 1)
-        return max(1, min(H, TEMPORARY_BYTES // (B * L * widest * q.element_size())))
+        return heads_per_group(H, B * L * widest * q.element_size(), TEMPORARY_BYTES)
 
     def _forward_heads(self, q, k, v, real, heads: slice) -> torch.Tensor:
         """``forward`` on one head group: q, k, v ``(B, h, L, D)`` hold the centroids' ``heads``."""
