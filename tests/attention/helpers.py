@@ -188,6 +188,15 @@ def assert_combiner_key_padding(attn: Attention, q, k, v, pad: torch.Tensor, ato
     assert_key_padding_outcomes(attn, q, k, v, pad, full_support=True, atol=atol)
 
 
+def assert_padded_gradients(attn: Attention, q, k, v, pad: torch.Tensor) -> None:
+    """Backward of the real outputs under key padding ``pad`` (B, L): finite gradients into q, k, v (which must
+    require grad), and nothing flows into padded keys or values."""
+    attn(q, k, v, key_padding_mask=pad).masked_fill(pad[:, None, :, None], 0).sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+    padded = pad[:, None, :].expand_as(k[..., 0])
+    assert (k.grad[padded] == 0).all() and (v.grad[padded] == 0).all()
+
+
 # Methods whose explicit matrix is an exact linear operator but not a softmax (rows need not sum to 1),
 # and FNet, whose hidden-axis DFT makes the output not one (L, L) matrix times v (its own tests cover it).
 NOT_NORMALIZED = {"linformer", "nystrom", "fnet"}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import L, build, cases, check_key_padding, padding_masks, random_qkv
+from helpers import L, assert_padded_gradients, build, cases, check_key_padding, padding_masks, random_qkv
 
 PADDED = cases("supports_padding_mask")  # by capability, not by name: a new padded variant is tested here
 
@@ -26,12 +26,7 @@ def test_key_padding_gradients_stay_finite(name, causal):
     attn = build(name, causal).double().train()
     pad = padding_masks()
     q, k, v = random_qkv(B=3, H=2, L=L, D=8, requires_grad=True)
-    out = attn(q, k, v, key_padding_mask=pad)
-    out.masked_fill(pad[:, None, :, None], 0).sum().backward()
-    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
-    # nothing flows into padded keys or values from real outputs
-    assert (k.grad[pad[:, None, :].expand_as(k[..., 0])] == 0).all()
-    assert (v.grad[pad[:, None, :].expand_as(v[..., 0])] == 0).all()
+    assert_padded_gradients(attn, q, k, v, pad)
 
 
 @pytest.mark.parametrize("row_summary", ["proj", "none", "wsum"])
