@@ -1,7 +1,7 @@
 """Import of the released Transformer-XL checkpoints (``task.module.init_from=hf:<dir>`` / ``kimiyoung:<file>``).
 
 The checkpoints are written here from tiny configs with the official key names, shapes, ties, cluster order and
-companion vocabulary files (HF: config.json + pytorch_model.bin + vocab.pkl; kimiyoung: a MemTransformerLM state
+companion vocabulary files (HF: config.json + pytorch_model.bin or model.safetensors + vocab.pkl; kimiyoung: a MemTransformerLM state
 dict + the corpus cache.pt its data_utils writes). The numbers against the official HF forward itself are checked
 by ``tools/xl_hf_crosscheck.py`` (it needs transformers <= 4.35, outside the project's pins).
 """
@@ -413,3 +413,66 @@ def test_init_from_a_project_checkpoint_still_loads_and_a_mismatch_names_the_key
     assert module.vocabulary is None  # no symbol mapping for the project's own checkpoints
     with pytest.raises(ConfigError, match=r"task.module.init_from: .*does not match the composed model"):
         build_module(make_cfg(base + ["model.d_model=48", f"task.module.init_from={ckpt}"]))
+
+
+def write_safetensors_dir(directory, config: dict, state: dict) -> None:
+    """What ``save_pretrained()`` writes by default: ``model.safetensors`` holding each storage once (the tied
+    ``crit.*`` aliases left out, as HF drops its tied keys), beside config.json and the tokenizer's vocab.pkl."""
+    from safetensors.torch import save_file
+
+    write_hf_dir(directory, config, state)
+    (directory / "pytorch_model.bin").unlink()
+    seen, tensors = set(), {}
+    for key, value in state.items():
+        if id(value) not in seen:
+            seen.add(id(value))
+            tensors[key] = value.float().contiguous()
+    save_file(tensors, str(directory / "model.safetensors"))
+
+
+def test_hf_safetensors_checkpoint_imports_like_the_pytorch_bin(tmp_path):
+    config = hf_config()
+    state = official_state(config, "hf")
+    write_hf_dir(tmp_path / "bin", config, state)
+    write_safetensors_dir(tmp_path / "st", config, state)
+    from_bin, from_st = model_for(config), model_for(config)
+    import_checkpoint(f"hf:{tmp_path / 'bin'}", from_bin)
+    imported = import_checkpoint(f"hf:{tmp_path / 'st'}", from_st)
+    assert imported.weights.name == "model.safetensors"
+    for (name, a), b in zip(from_bin.state_dict().items(), from_st.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert not torch.equal(from_st.layers[0].attn.qkv.weight, model_for(config).layers[0].attn.qkv.weight)
+
+
+def check_untouched(model: TransformerXL, before: dict[str, torch.Tensor]) -> None:
+    after = model.state_dict()
+    assert all(torch.equal(value, after[key]) for key, value in before.items())
+
+
+@pytest.mark.parametrize("fault", ["last key missing", "vocabulary too short", "layer_norm_epsilon"])
+def test_a_failed_import_leaves_the_model_untouched(tmp_path, fault):
+    config = hf_config(layer_norm_epsilon=1e-6) if fault == "layer_norm_epsilon" else hf_config()
+    state = official_state(hf_config(), "hf")
+    if fault == "last key missing":  # every other tensor checks out first
+        del state["crit.out_projs.0"]
+    write_safetensors_dir(tmp_path / "hf", config, state)
+    if fault == "vocabulary too short":
+        (tmp_path / "hf" / "vocab.pkl").unlink()
+        (tmp_path / "hf" / "vocab.txt").write_text("".join(f"{s}\n" for s in SYMBOLS[:-1]))
+    model = model_for(hf_config())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    expected = {"last key missing": r"missing key 'crit.out_projs.0'",
+                "vocabulary too short": r"vocab.txt: 29 symbols but the checkpoint's vocabulary is 30",
+                "layer_norm_epsilon": r"config.json: layer_norm_epsilon=1e-06 but the model's LayerNorms use "
+                                      r"eps=1e-05"}[fault]
+    with pytest.raises(DataError, match=expected):
+        import_checkpoint(f"hf:{tmp_path / 'hf'}", model)
+    check_untouched(model, before)
+
+
+def test_a_corrupt_safetensors_file_is_named(tmp_path):
+    config = hf_config()
+    write_safetensors_dir(tmp_path / "hf", config, official_state(config, "hf"))
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(DataError, match=r"model.safetensors: is not a readable safetensors file"):
+        import_checkpoint(f"hf:{tmp_path / 'hf'}", model_for(config))

@@ -3,8 +3,8 @@
 Two official layouts (``task.module.init_from=<format>:<path>``):
 
 - ``hf:<dir>`` -- a Hugging Face ``transfo-xl`` directory (e.g. ``transfo-xl-wt103``): ``config.json``,
-  ``pytorch_model.bin`` (or ``model.safetensors`` when the ``safetensors`` package is installed) and the
-  tokenizer's vocabulary, ``vocab.pkl`` (what ``TransfoXLTokenizer.save_vocabulary`` writes), ``vocab.bin``
+  ``model.safetensors`` (what ``save_pretrained`` writes by default; tied aliases left out) or
+  ``pytorch_model.bin`` (``model.safetensors`` first when both are there, as HF does) and the tokenizer's vocabulary, ``vocab.pkl`` (what ``TransfoXLTokenizer.save_vocabulary`` writes), ``vocab.bin``
   (torch-saved) or ``vocab.txt`` (one symbol per line). Keys ``transformer.*`` / ``crit.*``; adaptive-softmax
   cluster logits in forward order.
 - ``kimiyoung:<file>`` -- a state dict of kimiyoung/transformer-xl's ``MemTransformerLM`` (keys without
@@ -14,16 +14,18 @@ Two official layouts (``task.module.init_from=<format>:<path>``):
   the code is trusted. The vocabulary comes from ``vocab.txt`` or the corpus cache ``cache.pt`` that the
   official ``data_utils.get_lm_corpus`` writes, placed next to the state dict.
 
-Every file is read with ``torch.load(weights_only=True)`` (``cache.pt`` with data-only stand-ins for the
-corpus and vocabulary classes; ``vocab.pkl`` with an unpickler that builds nothing but plain containers).
-Every tensor is mapped to exactly one model parameter and shape-checked; the first missing, unexpected or
-mismatched key is named in the error.
+Every file is read with ``torch.load(weights_only=True)`` or ``safetensors`` (``cache.pt`` with data-only
+stand-ins for the corpus and vocabulary classes; ``vocab.pkl`` with an unpickler that builds nothing but plain
+containers). Every tensor is mapped to exactly one model parameter and shape-checked; the first missing,
+unexpected or mismatched key is named in the error. The import is staged: the model is written only after the
+config, every key and the vocabulary checked out, so a failed import leaves it exactly as it was.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import pickle
 import re
 from collections import Counter, OrderedDict
@@ -41,7 +43,7 @@ from longseq.utils.errors import ConfigError, DataError
 log = logging.getLogger(__name__)
 
 FORMATS = ("hf", "kimiyoung")
-HF_WEIGHTS = ("pytorch_model.bin", "model.safetensors")
+HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # HF loads safetensors first
 HF_VOCABULARIES = ("vocab.pkl", "vocab.bin", "vocab.txt")  # TransfoXLTokenizer's priority order
 KIMIYOUNG_VOCABULARIES = ("vocab.txt", "cache.pt")
 CONVERT_HINT = ("python -c \"import torch; m = torch.load('model.pt', weights_only=False); "
@@ -135,6 +137,12 @@ def check_hf_config(model: TransformerXL, config: dict[str, Any], where: Path) -
                          "the released models) is supported")
     if config.get("sample_softmax", -1) > 0:
         raise DataError(where, f"sample_softmax={config['sample_softmax']} is not supported")
+    eps = model.layers[0].attn.norm.eps
+    if "layer_norm_epsilon" in config and not math.isclose(float(config["layer_norm_epsilon"]), eps, rel_tol=1e-6):
+        # TransformerXL has no key for it (every released model uses 1e-5); a different eps changes every output.
+        raise DataError(where, f"layer_norm_epsilon={config['layer_norm_epsilon']} but the model's LayerNorms use "
+                               f"eps={eps:g} (the released Transformer-XL value); this checkpoint was trained "
+                               "with another epsilon and would not reproduce its numbers")
     ours = architecture(model)
     expected = normalized_hf_config(config)
     n_parts = len(ours["cutoffs"]) + 1
@@ -215,12 +223,13 @@ def load_tensors(path: Path, fmt: str) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise ConfigError("task.module.init_from", f"{fmt}:{path}: no such file")
     if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
         try:
-            from safetensors.torch import load_file
-        except ImportError:  # optional: the project does not pin safetensors
-            raise DataError(path, "a safetensors file but the safetensors package is not installed: "
-                             "pip install safetensors, or place pytorch_model.bin instead") from None
-        return load_file(str(path))
+            return load_file(str(path))
+        except SafetensorError as err:
+            raise DataError(path, f"is not a readable safetensors file ({err})") from None
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
@@ -238,9 +247,11 @@ def load_tensors(path: Path, fmt: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def import_weights(model: TransformerXL, state: dict[str, torch.Tensor], fmt: str, source: str) -> None:
-    """Copy an official state dict into ``model`` (see ``official_entries``); raise naming the first missing,
-    unexpected or mismatched key, or a model parameter that no key fills."""
+def staged_weights(model: TransformerXL, state: dict[str, torch.Tensor], fmt: str,
+                   source: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Check an official state dict against ``model`` (see ``official_entries``) without writing anything;
+    returns the ``(parameter view, tensor)`` copies to make. Raises naming the first missing, unexpected or
+    mismatched key, or a model parameter that no key fills."""
     params = dict(model.named_parameters(remove_duplicate=False))
     entries = official_entries(model, fmt)
     known = {e.key for e in entries}
@@ -255,35 +266,34 @@ def import_weights(model: TransformerXL, state: dict[str, torch.Tensor], fmt: st
                                                                          rtol=1e-5):
             raise DataError(source, f"{inv_freq} is not the sinusoid frequency table of d_model="
                              f"{model.d_model} (shape {tuple(state[inv_freq].shape)})")
-    loaded: dict[tuple[int, str], str] = {}  # (parameter id, index) -> key it came from
+    staged: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, str]] = {}  # slot -> (view, tensor, key)
     for entry in entries:
         param = params[entry.target]
         view = param.data if entry.index is None else param.data[entry.index]
         slot = (id(param), str(entry.index))
         tensor = state.get(entry.key)
         if tensor is None:
-            if slot in loaded:
-                continue  # an alias the file leaves out (tied weights)
+            if slot in staged:
+                continue  # an alias the file leaves out (tied weights; safetensors files always drop them)
             raise DataError(source, f"missing key {entry.key!r} (model parameter {entry.target}, shape "
                              f"{tuple(view.shape)})")
         if tuple(tensor.shape) != tuple(view.shape):
             raise DataError(source, f"key {entry.key!r} has shape {tuple(tensor.shape)} but model parameter "
                              f"{entry.target}{'' if entry.index is None else f'[{entry.index}]'} has "
                              f"{tuple(view.shape)} (check the cluster order and model.* sizes)")
-        tensor = tensor.flip(0) if entry.flip else tensor
-        if slot in loaded:
-            if not torch.equal(tensor.to(view.dtype), view):
-                raise DataError(source, f"key {entry.key!r} differs from {loaded[slot]!r}, which the "
+        tensor = (tensor.flip(0) if entry.flip else tensor).to(view.dtype)
+        if slot in staged:
+            if not torch.equal(tensor, staged[slot][1]):
+                raise DataError(source, f"key {entry.key!r} differs from {staged[slot][2]!r}, which the "
                                  "configured model ties it to (model.tie_weight / model.tie_projs / untie_r)")
             continue
-        with torch.no_grad():
-            view.copy_(tensor.to(view.dtype))
-        loaded[slot] = entry.key
-    filled = {pid for pid, _ in loaded}
+        staged[slot] = (view, tensor, entry.key)
+    filled = {pid for pid, _ in staged}
     for name, param in params.items():
         if id(param) not in filled:
             raise DataError(source, f"model parameter {name} has no counterpart in {fmt} checkpoints "
                              "(model.pre_lnorm=true adds a final LayerNorm the released models lack)")
+    return [(view, tensor) for view, tensor, _ in staged.values()]
 
 
 # ------------------------------------------------------------------------------------------ vocabulary
@@ -366,7 +376,8 @@ def find_file(folder: Path, names: tuple[str, ...], what: str, init_from: str) -
 
 
 def import_checkpoint(init_from: str, model: TransformerXL) -> ImportedCheckpoint:
-    """Load ``hf:<dir>`` / ``kimiyoung:<file>`` into ``model`` (in place) and read its vocabulary."""
+    """Load ``hf:<dir>`` / ``kimiyoung:<file>`` into ``model`` (in place) and read its vocabulary; on any
+    error the model is left untouched."""
     parsed = parse_init_from(init_from)
     if parsed is None:
         raise ConfigError("task.module.init_from", f"{init_from!r}: expected one of "
@@ -376,7 +387,8 @@ def import_checkpoint(init_from: str, model: TransformerXL) -> ImportedCheckpoin
     if fmt == "hf":
         if not path.is_dir():
             raise ConfigError("task.module.init_from", f"{init_from}: {path} is not a directory (expected "
-                                    "config.json, pytorch_model.bin and vocab.pkl|vocab.bin|vocab.txt)")
+                                    "config.json, model.safetensors|pytorch_model.bin and "
+                                    "vocab.pkl|vocab.bin|vocab.txt)")
         config_file = find_file(path, ("config.json",), "config.json", init_from)
         config = json.loads(config_file.read_text())
         check_hf_config(model, config, config_file)
@@ -385,11 +397,15 @@ def import_checkpoint(init_from: str, model: TransformerXL) -> ImportedCheckpoin
     else:
         weights = path
         vocab_file = find_file(path.parent, KIMIYOUNG_VOCABULARIES, "vocabulary", init_from)
-    import_weights(model, load_tensors(weights, fmt), fmt, str(weights))
+    state = load_tensors(weights, fmt)
+    writes = staged_weights(model, state, fmt, str(weights))
     vocabulary = read_vocabulary(vocab_file)
     if len(vocabulary) != model.vocab_size:
         raise DataError(vocab_file, f"{len(vocabulary)} symbols but the checkpoint's vocabulary is "
                          f"{model.vocab_size} (model.vocab_size)")
+    with torch.no_grad():  # every check passed: only now is the model written
+        for view, tensor in writes:
+            view.copy_(tensor)
     log.info(f"imported {fmt} checkpoint {weights} with {len(vocabulary)} symbols from {vocab_file}")
     return ImportedCheckpoint(vocabulary, weights, vocab_file, config)
 
