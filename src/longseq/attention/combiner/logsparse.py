@@ -369,7 +369,6 @@ def _unpool_levels(pools: list[torch.Tensor], summary_grads: list, reduce: str, 
     grad = torch.zeros_like(pools[-1])
     spares = [torch.empty_like(pools[1]) for _ in range(2 if top > 1 else 0)]  # ping-pong level gradients
     if reduce == "max":
-        first = torch.empty(pools[1].shape, dtype=torch.bool, device=grad.device)
         route = torch.empty_like(pools[1])
     for level in range(top, 0, -1):
         own = summary_grads[level]
@@ -383,15 +382,17 @@ def _unpool_levels(pools: list[torch.Tensor], summary_grads: list, reduce: str, 
         pair = below[:, : 2 * n].unflatten(1, (n, 2))
         if reduce == "max":
             halves = pools[level - 1][:, : 2 * n].unflatten(1, (n, 2))
-            taken = route[:, :n].copy_(torch.ge(halves[:, :, 0], halves[:, :, 1], out=first[:, :n]))  # ties: first
+            # In-place ops on the views rather than ``out=`` a strided view: the same memory traffic, and torch.compile
+            # traces it (``out=`` into a non-contiguous tensor breaks the graph).
+            taken = route[:, :n].copy_(halves[:, :, 0]).ge_(halves[:, :, 1])  # 1.0 / 0.0; ties: first
             if level == 1:
                 pair[:, :, 0].addcmul_(grad, taken)
                 pair[:, :, 1].addcmul_(grad, taken.sub_(1).neg_())  # 1 - taken: exactly 0 or 1
             else:
-                torch.mul(grad, taken, out=pair[:, :, 0])
-                torch.mul(grad, taken.sub_(1).neg_(), out=pair[:, :, 1])
+                pair[:, :, 0].copy_(grad).mul_(taken)
+                pair[:, :, 1].copy_(grad).mul_(taken.sub_(1).neg_())
         elif level == 1:
             pair += grad.unsqueeze(2) * 0.5
         else:
-            torch.mul(grad.unsqueeze(2).expand_as(pair), 0.5, out=pair)
+            pair.copy_(grad.unsqueeze(2).expand_as(pair)).mul_(0.5)
         grad = below

@@ -82,9 +82,12 @@ def summarized_blocks(x: torch.Tensor, level: int) -> torch.Tensor:
     (``P = summary_count``), from ``x`` ``(N, L, *C)``; row p is the even block of pair p, in ``summary_views``'s
     order. A view (the incomplete pair's even block is a whole block too), so in-place updates write ``x``."""
     length, b = x.shape[1], 1 << level
-    size = (x.shape[0], summary_count(length, level), b, *x.shape[2:])
-    stride = (x.stride(0), 2 * b * x.stride(1), x.stride(1), *x.stride()[2:])
-    return x.as_strided(size, stride, x.storage_offset())
+    count = summary_count(length, level)
+    if count == 0:  # unfold needs one whole window
+        return x[:, :0].unsqueeze(2).expand(x.shape[0], 0, b, *x.shape[2:])
+    # unfold rather than as_strided: the same view, and torch.compile traces it (storage_offset() breaks the graph).
+    # Windows of b at a stride of 2b may count the even block of a pair whose odd block is empty: [:count] drops it.
+    return x.unfold(1, b, 2 * b)[:, :count].movedim(-1, 2)
 
 
 def candidate_views(x: torch.Tensor, summaries: Summaries, level: int, length: int) -> list[torch.Tensor]:
