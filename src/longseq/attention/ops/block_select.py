@@ -1,0 +1,114 @@
+"""Query-dependent block selection (``moba``, ``nsa``, ``combiner_select``): rank blocks per query, keep the best,
+attend the kept keys at full resolution through a gathered key table; never an ``L x L`` tensor.
+
+- ``top_blocks``: the one selection rule: the ``k`` highest scores per query, ties to the lower block index
+  (a stable sort, so ``forward``, the dense ``attention_matrix`` and decoding pick the same blocks), blocks
+  scored -inf never kept;
+- ``block_table``: the positions of the chosen blocks as a key table ``(B, H, L, K * m)``;
+- ``gathered_attention``: one softmax per query over a gathered key table (and optionally extra logits such as
+  region summaries in the same softmax), query chunks bounded in memory and recomputed in backward
+  (``torch.utils.checkpoint``) so training stores no gathered ``(L, K, D)`` copy;
+- ``scoring``: selection scores are computed in fp32 (fp64 stays fp64) with autocast off, so a bf16 run picks the
+  blocks an fp32 run picks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from longseq.attention.ops.masks import NEG_INF
+
+# Elements of the gathered (rows, K, D) key block per chunk: ~32 MiB in fp32, whatever B, H, L.
+CHUNK_ELEMENTS = 1 << 23
+
+
+def top_blocks(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` best blocks per row of ``scores`` ``(..., n)`` (-inf = may not be chosen).
+
+    Returns ``(idx, ok)`` ``(..., min(k, n))``: block indices by decreasing score, ties to the lower index, and
+    whether the block may be used (a finite score; rows with fewer than k choosable blocks keep the rest False).
+    """
+    k = min(int(k), scores.shape[-1])
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    return order, scores.gather(-1, order) > NEG_INF
+
+
+@contextlib.contextmanager
+def scoring(x: torch.Tensor):
+    """Autocast off on ``x``'s device for the selection scores (cast the inputs with ``score_dtype``)."""
+    with torch.autocast(x.device.type, enabled=False):
+        yield
+
+
+def score_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for the low-precision dtypes, the input's own dtype otherwise (fp64 stays exact)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def block_table(blocks: torch.Tensor, ok: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key positions of chosen blocks: ``blocks``, ``ok`` ``(..., K)`` -> ``(idx, valid)`` ``(..., K * m)``,
+    block ``b`` covering positions ``[b m, (b + 1) m)``."""
+    offsets = torch.arange(block_size, device=blocks.device)
+    idx = (blocks.unsqueeze(-1) * block_size + offsets).flatten(-2)
+    return idx, ok.unsqueeze(-1).expand(*ok.shape, block_size).flatten(-2)
+
+
+def gather_keys(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(B, H, L, D)`` at the positions ``idx`` ``(B|1, H|1, T, W)`` -> ``(B, H, T, W, D)``."""
+    B, H = x.shape[:2]
+    if idx.shape[0] == 1 and idx.shape[1] == 1:  # one table for every head: one index_select
+        T, W = idx.shape[-2:]
+        return x.index_select(2, idx.reshape(-1)).view(B, H, T, W, x.shape[-1])
+    b = torch.arange(B, device=x.device).view(B, 1, 1, 1)
+    h = torch.arange(H, device=x.device).view(1, H, 1, 1)
+    return x[b, h, idx]
+
+
+def _attend(qs, k, v, idx, valid, extra_logits, extra_values, dropout):
+    keys, values = gather_keys(k, idx), gather_keys(v, idx)  # (B, H, T, W, D)
+    logits = (keys @ qs.unsqueeze(-1)).squeeze(-1).masked_fill(~valid, NEG_INF)  # (B, H, T, W)
+    if extra_logits is None:
+        weights = torch.nn.functional.dropout(logits.softmax(-1), dropout) if dropout else logits.softmax(-1)
+        return (weights.unsqueeze(-2) @ values).squeeze(-2)
+    weights = torch.cat([logits, extra_logits], -1).softmax(-1)
+    if dropout:
+        weights = torch.nn.functional.dropout(weights, dropout)
+    W = logits.shape[-1]
+    out = (weights[..., :W].unsqueeze(-2) @ values).squeeze(-2)
+    return out + weights[..., W:].to(extra_values.dtype) @ extra_values
+
+
+def gathered_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
+                       extra_logits: torch.Tensor | None = None, extra_values: torch.Tensor | None = None,
+                       dropout: float = 0.0) -> torch.Tensor:
+    """One softmax per query over the keys of its table, plus optional extra logits in the same softmax.
+
+    Args:
+        qs: scaled queries ``(B, H, T, D)``; k, v: keys and values ``(B, H, L, D)`` (``L >= T``: a decoding step
+            reads a cache).
+        idx, valid: ``(B|1, H|1, T, W)`` key positions and which of them the query may attend (every row must
+            keep a key, or an extra logit).
+        extra_logits: ``(B, H, T, R)`` already masked logits joined in the same softmax (region summaries);
+            extra_values: ``(B, H, R, Dv)`` their values, shared by every query.
+        dropout: on the joint weights (training only; pass 0 otherwise).
+    Returns ``(B, H, T, Dv)``. Query chunks keep the gathered ``(rows, W, D)`` blocks under ``CHUNK_ELEMENTS``;
+    with autograd on, each chunk is recomputed in backward instead of storing them.
+    """
+    B, H, T, D = qs.shape
+    W = idx.shape[-1]
+    rows = max(1, CHUNK_ELEMENTS // max(1, B * H * W * max(D, v.shape[-1])))
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (qs, k, v) + (
+        () if extra_logits is None else (extra_logits, extra_values)))
+    if rows >= T and not grad:
+        return _attend(qs, k, v, idx, valid, extra_logits, extra_values, dropout)
+    outs = []
+    for start in range(0, T, rows):
+        part = slice(start, min(start + rows, T))
+        args = (qs[:, :, part], k, v, idx[:, :, part], valid[:, :, part],
+                None if extra_logits is None else extra_logits[:, :, part], extra_values, dropout)
+        outs.append(checkpoint(_attend, *args, use_reentrant=False) if grad else _attend(*args))
+    return torch.cat(outs, 2)
+

@@ -1,0 +1,164 @@
+"""MoBA, Mixture of Block Attention (Moonshot 2025, arXiv 2502.13189): each query attends its own block and the
+``top_k`` other blocks whose mean key scores highest against it, in one softmax.
+
+The keys are cut into n = L / m blocks of ``block_size`` m (the grid of ``BlockGrid``). Block g' is scored for the
+query at position i by ``q_i . mean(k over block g')`` (parameter-free gating). Causal: the query's own block
+(keys up to and including itself) plus the ``top_k`` best EARLIER blocks; bidirectional: the whole own block plus
+the ``top_k`` best OTHER blocks. ``top_k`` covering every block is full attention; ``top_k = 0`` is block-local
+attention. Cost O(L (top_k + 1) m D + L n D): the n block scores per query, then a gathered key table of
+``(top_k + 1) m`` keys per query (``ops.block_select``), never an ``L x L`` tensor.
+
+Key padding (``ops.padding``): a block's mean key averages its real keys only, a block without a real key is never
+chosen, padded keys get no weight, and a query left without a real key falls back to its unpadded own block.
+Decoding (causal): a KV cache plus each block's mean key, computed once when the block completes; a step scores the
+completed blocks, keeps the ``top_k`` best and attends them and its own block, as ``forward`` does. Public MoBA
+code falls back to dense attention to decode; this one does not. No FlexAttention path yet (the block choice is
+per query, which a FlexAttention block mask expresses only per tile).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from longseq.attention.base import Attention, check_int_knob
+from longseq.attention.ops.block_select import (
+    block_table,
+    gathered_attention,
+    score_dtype,
+    scoring,
+    top_blocks,
+)
+from longseq.attention.ops.decoding import KVCache
+from longseq.attention.ops.geometry import BlockGrid
+from longseq.attention.ops.masks import NEG_INF, other_blocks_mask
+from longseq.attention.registry import register_attention
+
+
+@dataclass
+class MobaState(KVCache):
+    """Decoding state of ``moba``: the KV cache and the mean key of every completed block ``(B, H, n, D)``."""
+
+    k_bar: torch.Tensor | None = None
+
+
+@register_attention("moba")
+class MobaAttention(BlockGrid, Attention):
+    """MoBA, causal or bidirectional.
+
+    Args:
+        causal: own block up to self + the ``top_k`` best earlier blocks, or own block + the best other blocks.
+        block_size: block length m; must divide the sequence length.
+        top_k: blocks chosen per query besides its own (0 = block-local attention; >= n - 1 = full attention).
+        seq_len, n_heads, head_dim, dropout: see ``Attention`` (dropout on the attention weights).
+    """
+
+    supports_padding_mask = True
+    supports_decoding = True
+
+    def __init__(self, *, causal: bool, block_size: int, top_k: int = 2, **base) -> None:
+        super().__init__(causal=causal, block_size=block_size, **base)
+        self.top_k = check_int_knob(top_k, "attention.top_k", minimum=0)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, block_size={self.block_size}, top_k={self.top_k}"
+
+    # -- selection (one rule for forward, the dense reference and decoding) ------------------------------------
+    def choose(self, qs: torch.Tensor, k_bar: torch.Tensor, choosable: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``top_k`` blocks of each query: scaled ``qs`` ``(B, H, T, D)``, block mean keys ``k_bar``
+        ``(B, H, n, D)``, ``choosable`` ``(B|1, 1, T|1, n)`` bool -> ``(blocks, ok)`` ``(B, H, T, k)``."""
+        with scoring(qs):
+            dtype = score_dtype(qs)
+            scores = (qs.to(dtype) @ k_bar.to(dtype).transpose(-1, -2)).masked_fill(~choosable, NEG_INF)
+        return top_blocks(scores, self.top_k)
+
+    def block_means(self, k: torch.Tensor, real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Mean key of every block ``(B, H, n, D)`` over its real keys, and which blocks have one ``(B, 1, 1, n)``
+        (None without padding); ``real`` ``(B, L)`` bool, True = real key."""
+        B, H, L, D = k.shape
+        n, m = L // self.block_size, self.block_size
+        blocks = k.reshape(B, H, n, m, D)
+        if real is None:
+            return blocks.mean(-2), None
+        weight = real.view(B, 1, n, m, 1).to(k.dtype)
+        k_bar = (blocks * weight).sum(-2) / weight.sum(-2).clamp(min=1.0)
+        return k_bar, real.view(B, 1, 1, n, m).any(-1)
+
+    # -- the contract ----------------------------------------------------------------------------------------
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, H, L, D) unscaled q, k, v -> (B, H, L, Dv); ``key_padding_mask`` (B, L) bool, True = padded key."""
+        B, H, L, _ = q.shape
+        m = self.grid(L).n_cols
+        qs = self.scale(q)
+        real = None if key_padding_mask is None else ~key_padding_mask.to(device=q.device, dtype=torch.bool)
+        k_bar, occupied = self.block_means(k, real)
+        pos = torch.arange(L, device=q.device)
+        own = pos // m
+        choosable = other_blocks_mask(L // m, self.causal, q.device)[own].view(1, 1, L, -1)
+        if occupied is not None:
+            choosable = choosable & occupied
+        chosen, ok = self.choose(qs, k_bar, choosable)
+        blocks = torch.cat([own.view(1, 1, L, 1).expand(B, H, L, 1), chosen], -1)
+        ok = torch.cat([torch.ones(B, H, L, 1, dtype=torch.bool, device=q.device), ok], -1)
+        idx, valid = block_table(blocks, ok, m)  # (B, H, L, (1 + k) m): own block first
+        if self.causal:
+            valid = valid & (idx <= pos.view(L, 1))
+        if real is not None:
+            own_only = valid.clone()
+            own_only[..., m:] = False
+            valid = valid & real[torch.arange(B, device=q.device).view(B, 1, 1, 1), idx]
+            valid = torch.where(valid.any(-1, keepdim=True), valid, own_only)  # rule 3: unpadded own block
+        return gathered_attention(qs, k, v, idx, valid, dropout=self.dropout if self.training else 0.0)
+
+    def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, H, L, L) dense reference (small L): every logit, block means from a membership matrix, the chosen
+        blocks as a dense mask, one masked softmax; independent of ``forward``'s gathered tables."""
+        B, H, L, _ = q.shape
+        m = self.grid(L).n_cols
+        n = L // m
+        qs = self.scale(q)
+        pos = torch.arange(L, device=q.device)
+        block = pos // m
+        members = (torch.arange(n, device=q.device).view(n, 1) == block.view(1, L)).to(q.dtype)  # (n, L)
+        real = torch.ones(B, L, dtype=torch.bool, device=q.device) if key_padding_mask is None else \
+            ~key_padding_mask.to(device=q.device, dtype=torch.bool)
+        weight = members * real.view(B, 1, 1, L).to(q.dtype)  # (B, 1, n, L)
+        k_bar = (weight @ k) / weight.sum(-1, keepdim=True).clamp(min=1.0)
+        occupied = (weight.sum(-1) > 0).unsqueeze(-2)  # (B, 1, 1, n)
+        choosable = other_blocks_mask(n, self.causal, q.device)[block].view(1, 1, L, n) & occupied
+        chosen, ok = self.choose(qs, k_bar, choosable)
+        picked = torch.zeros(B, H, L, n, dtype=torch.bool, device=q.device)
+        picked.scatter_(-1, chosen, ok)
+        own = (block.view(L, 1) == block.view(1, L)) & ((pos.view(L, 1) >= pos.view(1, L)) | (not self.causal))
+        allowed = (own | picked[..., block]) & real.view(B, 1, 1, L)
+        allowed = torch.where(allowed.any(-1, keepdim=True), allowed, own)
+        return (qs @ k.transpose(-1, -2)).masked_fill(~allowed, NEG_INF).softmax(-1)
+
+    # -- incremental decoding -------------------------------------------------------------------------------
+    def init_decoding_state(self, batch_size: int, max_len: int, device, dtype) -> MobaState:
+        return MobaState(batch_size, max_len, device, dtype)
+
+    def step(self, state: MobaState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One position: q, k, v ``(B, H, 1, D)`` unscaled -> ``(B, H, 1, D)``; the block's mean key is cached
+        when the block completes."""
+        t, _ = state.append(k, v)
+        m = self.block_size
+        g = t // m
+        B, H = q.shape[:2]
+        if state.k_bar is None:
+            state.k_bar = state.k.new_zeros(B, H, state.max_len // m, state.k.shape[-1])
+        if (t + 1) % m == 0:  # the same reduction as ``block_means``
+            state.k_bar[:, :, g] = state.k[:, :, g * m : (g + 1) * m].mean(-2)
+        qs = self.scale(q)
+        blocks = torch.full((B, H, 1, 1), g, dtype=torch.long, device=q.device)
+        if g and self.top_k:
+            chosen, ok = self.choose(qs, state.k_bar[:, :, :g], torch.ones(1, 1, 1, g, dtype=torch.bool, device=q.device))
+            blocks = torch.cat([blocks, chosen], -1)
+            ok = torch.cat([torch.ones(B, H, 1, 1, dtype=torch.bool, device=q.device), ok], -1)
+        else:
+            ok = torch.ones_like(blocks, dtype=torch.bool)
+        idx, valid = block_table(blocks, ok, m)
+        return gathered_attention(qs, state.k, state.v, idx, valid & (idx <= t))
