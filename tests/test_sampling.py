@@ -215,9 +215,10 @@ def test_eval_mode_sample_on_digits_writes_grid_npz_and_completions(tmp_path: Pa
     assert list(levels) == ["samples"]  # one array: the raw levels
     assert levels["samples"].shape == (4, 8, 8, 1) and levels["samples"].dtype == np.uint8
     assert int(levels["samples"].max()) < 17
-    assert Image.open(out / "samples.png").size == (2 * 9 + 1, 2 * 9 + 1)  # 2 x 2 grid of 8x8, 1-pixel padding
-    # 3 rows of [original | 2 completions] of the test images' top half
-    assert Image.open(out / "completions.png").size == (3 * 9 + 1, 3 * 9 + 1)
+    # 2 x 2 grid of 8x8 with 1-pixel padding (19 px), upscaled 27x (nearest neighbour) to >= 512 px
+    assert Image.open(out / "samples.png").size == (27 * (2 * 9 + 1),) * 2
+    # 3 rows of [original | 2 completions] of the test images' top half: 28 px, upscaled 19x
+    assert Image.open(out / "completions.png").size == (19 * (3 * 9 + 1),) * 2
 
     # the default folder is <run>/samples/, and the same seed gives the same samples with and without the cache
     ecfg = compose_config([f"ckpt_path={ckpt}", "mode=sample", "sample.n=3", "sample.completions=0",
@@ -226,10 +227,12 @@ def test_eval_mode_sample_on_digits_writes_grid_npz_and_completions(tmp_path: Pa
     assert written == {"samples.png": str(tmp_path / "run" / "samples" / "samples.png"),
                        "samples.npz": str(tmp_path / "run" / "samples" / "samples.npz")}
     recomputed = np.load(written["samples.npz"])["samples"]
+    # a relative sample.out_dir lands inside the training run directory, not where eval.py was started
     ecfg.sample.cache = True
-    ecfg.sample.out_dir = str(tmp_path / "cached")
-    sample(ecfg)
-    assert np.array_equal(np.load(tmp_path / "cached" / "samples.npz")["samples"], recomputed)
+    ecfg.sample.out_dir = "figs/"
+    assert sample(ecfg)["samples.npz"] == str(tmp_path / "run" / "figs" / "samples.npz")
+    assert np.array_equal(np.load(tmp_path / "run" / "figs" / "samples.npz")["samples"], recomputed)
+    assert not (ROOT / "figs").exists()
 
 
 @pytest.mark.parametrize("model", [[], ["model=transformer_xl", "model.tgt_len=16", "memory.mem_len=16"]],
@@ -307,6 +310,39 @@ def test_training_sample_grid_decodes_unless_told_not_to(cache: bool, make_cfg, 
     trainer = SimpleNamespace(global_step=7, loggers=[])
     path = callback.log_samples(trainer, task)
     assert seen["cache"] is cache and path == tmp_path / "samples" / "samples_step7.png" and path.is_file()
+    assert max(Image.open(path).size) >= 512  # upscaled to a legible size (callbacks.samples.min_size)
+
+
+def test_sample_grid_is_upscaled_by_nearest_neighbour_to_the_same_picture_everywhere(tmp_path: Path) -> None:
+    """16 digits (8x8, 17 levels) make a 37 px grid; every logger and the PNG get it repeated 14 x 14 (518 px),
+    each block one exact level, so the picture is the raw grid, only legible."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from longseq.callbacks.samples import SampleImages, image_grid
+    from longseq.utils.errors import ConfigError
+
+    images = torch.randint(0, 17, (16, 8, 8, 1), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    raw = image_grid(images, 17, min_size=0)
+    big = image_grid(images, 17)
+    assert raw.shape == (3, 37, 37) and big.shape == (3, 14 * 37, 14 * 37)
+    assert torch.equal(big[:, ::14, ::14], raw)
+    assert torch.equal(big, raw.repeat_interleave(14, 1).repeat_interleave(14, 2))
+    assert image_grid(torch.zeros(16, 64, 64, 3, dtype=torch.uint8), 256).shape == (3, 2 * 261, 2 * 261)
+
+    logged = {}
+
+    class Experiment:
+        def add_image(self, tag, grid, step):
+            logged[tag] = grid
+
+    tensorboard = TensorBoardLogger(str(tmp_path / "tb"))
+    tensorboard._experiment = Experiment()
+    module = SimpleNamespace(device=torch.device("cpu"), num_levels=17, sample=lambda n, t, generator, cache: images)
+    path = SampleImages(str(tmp_path / "samples")).log_samples(SimpleNamespace(global_step=3, loggers=[tensorboard]),
+                                                                module)
+    assert Image.open(path).size == (518, 518) and torch.equal(logged["samples"], big)
+    with pytest.raises(ConfigError, match=r"callbacks\.samples\.min_size: must be an integer >= 0"):
+        SampleImages(str(tmp_path), min_size=-1)
 
 
 def test_training_sample_grid_refuses_a_task_that_cannot_sample_images(make_cfg, tmp_path: Path) -> None:

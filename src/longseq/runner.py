@@ -348,16 +348,17 @@ def sample(cfg: DictConfig) -> dict[str, str]:
 
     Image tasks write ``samples.png``, ``samples.npz`` and ``completions.png``; LM tasks print their
     continuations of ``sample.prompt`` and save ``samples.txt`` (``longseq.tasks.sampling``). Everything goes to
-    ``sample.out_dir`` (default ``<run>/samples/``). Returns the written files by name.
+    ``sample.out_dir`` (default ``<run>/samples/``; a relative path is inside ``<run>/``). Returns the written
+    files by name.
     """
     from longseq.models.transformer import check_positive_int
-    from longseq.tasks.sampling import write_image_samples, write_text_samples
+    from longseq.tasks.sampling import sample_out_dir, write_image_samples, write_text_samples
 
     spec = cfg.sample
     for key in ("n", "k", "tokens"):
         if spec.get(key) is not None:
             check_positive_int(f"sample.{key}", spec[key])
-    out_dir = Path(spec.out_dir) if spec.get("out_dir") else run_directory(cfg.ckpt_path, cfg.get("run_dir")) / "samples"
+    out_dir = sample_out_dir(spec.get("out_dir"), run_directory(cfg.ckpt_path, cfg.get("run_dir")))
     device = "cuda" if torch.cuda.is_available() and cfg.trainer.get("accelerator") in ("auto", "gpu", "cuda") else "cpu"
     datamodule, module = load_checkpoint_run(cfg, map_location=device)
     module.eval()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from pathlib import Path
 from typing import Callable, Protocol
 
 import torch
@@ -172,6 +173,16 @@ def autoregress(net: Transformer, inputs: torch.Tensor, n_new: int,
 # What `python eval.py mode=sample` writes (called by longseq.runner.sample)
 
 
+def sample_out_dir(out_dir: str | None, run_dir: Path) -> Path:
+    """Where ``eval.py mode=sample`` writes: ``<run_dir>/samples`` by default; a relative ``sample.out_dir``
+    (``figs/``) lands inside the training run directory ``run_dir`` too, never in the directory ``eval.py``
+    was started from (the repository root, where it would sit untracked); an absolute one is used as given."""
+    if not out_dir:
+        return Path(run_dir) / "samples"
+    path = Path(str(out_dir)).expanduser()
+    return path if path.is_absolute() else Path(run_dir) / path
+
+
 def completion_prefix_length(image_shape: tuple[int, int, int], prompt_fraction: float) -> int:
     """Sub-pixels in the top ``prompt_fraction`` of an image's rows (whole rows: the completion figure of
     image-transformer papers); ``sample.prompt_fraction`` must leave at least one row to complete."""
@@ -183,13 +194,13 @@ def completion_prefix_length(image_shape: tuple[int, int, int], prompt_fraction:
 
 def write_image_samples(module, datamodule, n: int, temperature: float, cache: bool, out_dir, generator,
                         completions: int, k: int, prompt_fraction: float, progress: bool = True) -> dict[str, str]:
-    """Image tasks: ``samples.png`` (an ``n``-image grid), ``samples.npz`` (``samples``: (n, H, W, C) uint8
-    levels) and ``completions.png`` (rows of [original | ``k`` completions] of the top ``prompt_fraction`` of
-    the first ``completions`` test images). Returns the written paths by name."""
+    """Image tasks: ``samples.png`` (an ``n``-image grid, upscaled like the training grid), ``samples.npz``
+    (``samples``: (n, H, W, C) uint8 levels) and ``completions.png`` (rows of [original | ``k`` completions]
+    of the top ``prompt_fraction`` of the first ``completions`` test images). Returns the written paths by name."""
     import numpy as np
     from torchvision.utils import make_grid, save_image
 
-    from longseq.callbacks.samples import image_grid
+    from longseq.callbacks.samples import image_grid, upscale
     from longseq.data.images import images_to_tokens
 
     written = {}
@@ -207,7 +218,7 @@ def write_image_samples(module, datamodule, n: int, temperature: float, cache: b
         h, w, c = module.image_shape
         rows = torch.cat([originals.view(-1, 1, h, w, c).to(torch.uint8), completed.view(-1, k, h, w, c)], dim=1)
         levels = rows.flatten(0, 1).permute(0, 3, 1, 2).float() / max(1, module.num_levels - 1)
-        save_image(make_grid(levels, nrow=k + 1, padding=1, pad_value=1.0), out_dir / "completions.png")
+        save_image(upscale(make_grid(levels, nrow=k + 1, padding=1, pad_value=1.0)), out_dir / "completions.png")
         written["completions.png"] = str(out_dir / "completions.png")
     return written
 
