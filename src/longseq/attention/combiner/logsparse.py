@@ -82,8 +82,10 @@ class CombinerLogsparseAttention(PooledCombiner, Attention):
         n_heads: int | None = None,
         head_dim: int | None = None,
         dropout: float = 0.0,
+        backend: str = "auto",
     ) -> None:
-        super().__init__(causal=causal, seq_len=seq_len, n_heads=n_heads, head_dim=head_dim, dropout=dropout)
+        super().__init__(causal=causal, seq_len=seq_len, n_heads=n_heads, head_dim=head_dim, dropout=dropout,
+                         backend=backend)
         self.summary = RegionSummary(summary, head_dim)
         self.has_parameters = self.summary.has_parameters
 
