@@ -89,13 +89,56 @@ class MultiHeadAttention(nn.Module):
         return self.merge((self.attention.step if step else self.attention.prefill)(state, q, k, v))
 
 
+class ShortConv(nn.Module):
+    """Short causal depthwise convolution over time (``model.short_conv`` = kernel size ``k``).
+
+    Zoology / MAD put one before each sequence mixer so that a shallow model can form induction heads: after it
+    a position holds its own token and the ``k - 1`` before it, so one attention layer can match "the key
+    before this value". Output ``t`` mixes inputs ``t - k + 1 .. t`` only (left zero padding): no future leaks.
+    ``forward((B, T, d)) -> (B, T, d)``; ``decode`` continues a sequence from a rolling cache of the last
+    ``k - 1`` inputs (``new_cache``), equal to ``forward`` at those positions.
+    """
+
+    def __init__(self, d_model: int, kernel_size: int) -> None:
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.conv = nn.Conv1d(d_model, d_model, kernel_size, groups=d_model, padding=kernel_size - 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
+
+    def new_cache(self, batch_size: int, device: Any, dtype: torch.dtype) -> torch.Tensor:
+        """(B, k - 1, d) zeros: the padding ``forward`` puts before position 0."""
+        return torch.zeros(batch_size, self.kernel_size - 1, self.conv.in_channels, device=device, dtype=dtype)
+
+    def decode(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        """(B, T, d) next inputs -> (B, T, d) outputs; ``cache`` (B, k - 1, d) is advanced in place."""
+        window = torch.cat([cache, x], dim=1)  # (B, k - 1 + T, d)
+        y = nn.functional.conv1d(window.transpose(1, 2), self.conv.weight, self.conv.bias, groups=self.conv.groups)
+        if self.kernel_size > 1:
+            cache.copy_(window[:, -(self.kernel_size - 1):])
+        return y.transpose(1, 2)
+
+
+def check_short_conv(value: Any) -> int | None:
+    """``model.short_conv``: null / 0 (off) or a kernel size >= 1; else a ``ConfigError`` naming the key."""
+    if value is None or (value == 0 and not isinstance(value, bool)):
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError("model.short_conv", f"must be null / 0 (off) or a kernel size >= 1, got {value!r}")
+    return value
+
+
 class Block(nn.Module):
-    """Pre-norm residual block: ``x + drop(attn(LN(x)))`` then ``x + MLP(LN(x))``."""
+    """Pre-norm residual block: ``x + drop(attn(conv(LN(x))))`` then ``x + MLP(LN(x))``; ``conv`` is the
+    optional ``ShortConv`` (``model.short_conv``), applied to the normed input of the attention sublayer, so
+    q, k and v all see the same short causal mix."""
 
     def __init__(self, d_model: int, n_heads: int, mlp_ratio: float, dropout: float, attn_dropout: float,
-                 seq_len: int, attention: Mapping[str, Any]) -> None:
+                 seq_len: int, attention: Mapping[str, Any], short_conv: int | None = None) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(d_model)
+        self.short_conv = ShortConv(d_model, short_conv) if short_conv else None
         self.attn = MultiHeadAttention(d_model, n_heads, seq_len, attention, attn_dropout)
         self.norm2 = nn.LayerNorm(d_model)
         hidden = int(mlp_ratio * d_model)
@@ -105,13 +148,19 @@ class Block(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm1(x), key_padding_mask))
+        h = self.norm1(x)
+        if self.short_conv is not None:
+            h = self.short_conv(h)
+        x = x + self.drop(self.attn(h, key_padding_mask))
         return x + self.drop(self.mlp(self.norm2(x)))
 
-    def decode(self, x: torch.Tensor, state: Any, step: bool) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, state: Any, step: bool, conv_cache: torch.Tensor | None = None) -> torch.Tensor:
         """``forward`` for the next positions of ``x`` (B, T, d_model) through the layer's attention ``state``
-        (called in eval mode: dropout is off)."""
-        x = x + self.attn.decode(self.norm1(x), state, step)
+        and, with ``short_conv``, its rolling ``conv_cache`` (called in eval mode: dropout is off)."""
+        h = self.norm1(x)
+        if self.short_conv is not None:
+            h = self.short_conv.decode(h, conv_cache)
+        x = x + self.attn.decode(h, state, step)
         return x + self.mlp(self.norm2(x))
 
 
@@ -154,6 +203,7 @@ class DecodingState:
     layers: list[Any]
     max_len: int
     length: int = 0
+    conv: list[torch.Tensor | None] | None = None  # per layer: the short conv's last k - 1 inputs (model.short_conv)
 
 
 @contextlib.contextmanager
@@ -179,6 +229,8 @@ class Transformer(nn.Module):
         pos_emb: ``learned`` (1D), ``sinusoidal`` (1D fixed), ``image`` (row/column/channel) or ``none``.
         image_shape: ``(H, W, C)``, required for ``pos_emb=image``.
         out_dim: head width (defaults to ``vocab_size``: next-token logits).
+        short_conv: kernel size of a short causal depthwise convolution before each attention (``ShortConv``;
+            null / 0: off).
 
     ``forward(tokens (B, L) long) -> (B, L, out_dim)``; ``features`` returns the final-norm states.
 
@@ -191,9 +243,11 @@ class Transformer(nn.Module):
     def __init__(self, vocab_size: int, seq_len: int, n_layers: int, d_model: int, n_heads: int,
                  attention: Mapping[str, Any], mlp_ratio: float = 4.0, dropout: float = 0.0,
                  attn_dropout: float = 0.0, pos_emb: str = "learned",
-                 image_shape: tuple[int, int, int] | None = None, out_dim: int | None = None) -> None:
+                 image_shape: tuple[int, int, int] | None = None, out_dim: int | None = None,
+                 short_conv: int | None = None) -> None:
         super().__init__()
         check_backbone_sizes(vocab_size, seq_len, n_layers, d_model, n_heads, mlp_ratio, dropout, attn_dropout)
+        short_conv = check_short_conv(short_conv)
         if pos_emb not in POS_EMBEDDINGS:
             raise ConfigError("model.pos_emb", f"{pos_emb!r} is not valid; choose one of {POS_EMBEDDINGS}")
         self.seq_len = seq_len
@@ -211,7 +265,8 @@ class Transformer(nn.Module):
             self.pos = ImagePositionEmbedding(tuple(image_shape), d_model)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(
-            Block(d_model, n_heads, mlp_ratio, dropout, attn_dropout, seq_len, attention) for _ in range(n_layers)
+            Block(d_model, n_heads, mlp_ratio, dropout, attn_dropout, seq_len, attention, short_conv)
+            for _ in range(n_layers)
         )
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, out_dim or vocab_size)
@@ -253,7 +308,9 @@ class Transformer(nn.Module):
         weight = self.token.weight
         layers = [block.attn.attention.new_state(batch_size, max_len, device=weight.device, dtype=weight.dtype)
                   for block in self.blocks]
-        return DecodingState(layers, max_len)
+        conv = [block.short_conv.new_cache(batch_size, weight.device, weight.dtype) if block.short_conv else None
+                for block in self.blocks]
+        return DecodingState(layers, max_len, conv=conv)
 
     def prefill(self, tokens: torch.Tensor, state: DecodingState) -> torch.Tensor:
         """(B, T) tokens at the next T positions -> (B, T, out_dim) logits (``forward``'s at those positions)."""
@@ -270,7 +327,8 @@ class Transformer(nn.Module):
                              f"{count} more token(s)); make a new state")
         with eval_mode(self) if self.training else contextlib.nullcontext():
             x = self.token(tokens) + self.positions(count, start)
-            for block, layer_state in zip(self.blocks, state.layers):
-                x = block.decode(x, layer_state, step)
+            conv = state.conv or [None] * len(self.blocks)
+            for block, layer_state, conv_cache in zip(self.blocks, state.layers, conv):
+                x = block.decode(x, layer_state, step, conv_cache)
             state.length = start + count
             return self.head(self.norm(x))
