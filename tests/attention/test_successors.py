@@ -9,8 +9,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_output_matches_matrix, build, dense_masked_attention, random_qkv
+from helpers import (
+    assert_key_padding_outcomes,
+    assert_output_matches_matrix,
+    build,
+    check_decoding,
+    dense_masked_attention,
+    padding_masks,
+    random_qkv,
+)
 
+from longseq.attention import AttentionConfigError
 from longseq.attention.ops import block_select
 from longseq.attention.ops.masks import full_mask
 
@@ -73,9 +82,78 @@ def test_gathered_attention_in_chunks_equals_one_pass(monkeypatch):
     out = attn(q, k, v)
     for x in (q, k, v):
         x.grad = None
-    monkeypatch.setattr(block_select, "CHUNK_ELEMENTS", 200)  # a few query rows per chunk
+    monkeypatch.setattr(block_select, "CHUNK_ELEMENTS", 2000)  # 10 query rows per chunk, 4 chunks
     chunked = attn(q, k, v)
     chunked.square().sum().backward()
     torch.testing.assert_close(chunked, out, atol=1e-12, rtol=0)
     for x, grad in zip((q, k, v), expected):
         torch.testing.assert_close(x.grad, grad, atol=1e-12, rtol=0)
+
+
+# -- combiner_select -------------------------------------------------------------------------------------------
+SELECT_CASES = [(p, c) for p in ("fixed", "axial_vertical", "axial_horizontal") for c in (True, False)]
+PLAIN = {"fixed": "combiner_fixed", "axial_vertical": "combiner_axial_vertical",
+         "axial_horizontal": "combiner_axial_horizontal"}
+
+
+@pytest.mark.parametrize("partition,causal", SELECT_CASES)
+def test_combiner_select_top_k_zero_is_the_plain_combiner(partition, causal):
+    """k = 0: the plain variant's weights and output exactly, through ``forward`` and through the selection path."""
+    attn = build("combiner_select", causal, seq_len=L32, block_size=M, partition=partition, top_k=0).double().eval()
+    plain = build(PLAIN[partition], causal, seq_len=L32, block_size=M).double().eval()
+    q, k, v = random_qkv(L=L32)
+    torch.testing.assert_close(attn(q, k, v), plain(q, k, v), atol=0, rtol=0)
+    torch.testing.assert_close(attn.selected_forward(q, k, v), plain(q, k, v), atol=1e-12, rtol=0)
+    torch.testing.assert_close(attn.attention_matrix(q, k, v), plain.attention_matrix(q, k, v), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("partition,causal", SELECT_CASES)
+def test_combiner_select_top_k_covering_every_region_is_full_attention(partition, causal):
+    attn = build("combiner_select", causal, seq_len=L32, block_size=M, partition=partition, top_k=L32).double().eval()
+    q, k, v = random_qkv(L=L32)
+    expected = dense_masked_attention(q, k, v, full_mask(L32, causal))
+    torch.testing.assert_close(attn(q, k, v), expected, atol=1e-10, rtol=0)
+    torch.testing.assert_close(attn.attention_matrix(q, k, v) @ v, expected, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("partition,causal", SELECT_CASES)
+def test_combiner_select_replaces_the_best_regions_and_keeps_full_support(partition, causal):
+    """With real choices (top_k = 2 of up to 7 regions): forward == matrix, full support, and exactly the chosen
+    regions lose the rank-one (query-independent) shape: a chosen region's weights are the query's own softmax."""
+    attn = build("combiner_select", causal, seq_len=L32, block_size=M, partition=partition, top_k=2).double().eval()
+    plain = build(PLAIN[partition], causal, seq_len=L32, block_size=M).double().eval()
+    q, k, v = random_qkv(B=1, L=L32)
+    assert_output_matches_matrix(attn, q, k, v)
+    P, P0 = attn.attention_matrix(q, k, v), plain.attention_matrix(q, k, v)
+    assert ((P > 0) == (P0 > 0)).all(), "selection changed the support"
+    assert not torch.allclose(P, P0)
+    part = attn.partition(L32)
+    k_bar = attn.inner.summary.pool_region_keys(k, part.members)  # (1, H, R, D)
+    scores = (attn.scale(q) @ k_bar.transpose(-1, -2)).masked_fill(~part.usable, float("-inf"))
+    for h in range(2):
+        for i in range(L32):
+            usable = part.usable[i].nonzero().flatten().tolist()
+            best = sorted(usable, key=lambda r: -scores[0, h, i, r].item())[:2]
+            for r in best:  # inside a chosen region the weights follow exp(q . k_j)
+                cols = part.members[r]
+                expected = (attn.scale(q)[0, h, i] @ k[0, h, cols].T).softmax(-1) * P[0, h, i, cols].sum()
+                torch.testing.assert_close(P[0, h, i, cols], expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("partition", ["axial_vertical", "axial_horizontal"])
+def test_combiner_select_decodes_other_partitions(partition):
+    check_decoding("combiner_select", {"partition": partition}, prefix=13, L=64, block_size=8)
+
+
+@pytest.mark.parametrize("partition,causal", [("axial_vertical", True), ("axial_horizontal", False)])
+def test_combiner_select_key_padding_on_other_partitions(partition, causal):
+    attn = build("combiner_select", causal, partition=partition).double().eval()
+    q, k, v = random_qkv(B=3, L=16)
+    assert_key_padding_outcomes(attn, q, k, v, padding_masks(), full_support=True)
+
+
+def test_combiner_select_rejects_partitions_without_a_select_variant():
+    with pytest.raises(AttentionConfigError, match=r"attention.partition='routing'.*valid: \['fixed'"):
+        build("combiner_select", True, partition="routing")
+    built = build("combiner_select", True, partition={"name": "axial_horizontal", "horizontal_regions": "split"})
+    assert built.inner.name == "combiner_axial_horizontal" and built.inner.horizontal_regions == "split"

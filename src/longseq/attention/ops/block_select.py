@@ -67,7 +67,7 @@ def gather_keys(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x[b, h, idx]
 
 
-def _attend(qs, k, v, idx, valid, extra_logits, extra_values, dropout):
+def _attend(qs, k, v, idx, valid, extra_logits, extra_values, extra_idx, dropout):
     keys, values = gather_keys(k, idx), gather_keys(v, idx)  # (B, H, T, W, D)
     logits = (keys @ qs.unsqueeze(-1)).squeeze(-1).masked_fill(~valid, NEG_INF)  # (B, H, T, W)
     if extra_logits is None:
@@ -78,12 +78,14 @@ def _attend(qs, k, v, idx, valid, extra_logits, extra_values, dropout):
         weights = torch.nn.functional.dropout(weights, dropout)
     W = logits.shape[-1]
     out = (weights[..., :W].unsqueeze(-2) @ values).squeeze(-2)
-    return out + weights[..., W:].to(extra_values.dtype) @ extra_values
+    if extra_idx is None:  # every query reads the same extra values
+        return out + weights[..., W:].to(extra_values.dtype) @ extra_values
+    return out + (weights[..., W:].unsqueeze(-2) @ gather_keys(extra_values, extra_idx)).squeeze(-2)
 
 
 def gathered_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
                        extra_logits: torch.Tensor | None = None, extra_values: torch.Tensor | None = None,
-                       dropout: float = 0.0) -> torch.Tensor:
+                       extra_idx: torch.Tensor | None = None, dropout: float = 0.0) -> torch.Tensor:
     """One softmax per query over the keys of its table, plus optional extra logits in the same softmax.
 
     Args:
@@ -92,7 +94,8 @@ def gathered_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: 
         idx, valid: ``(B|1, H|1, T, W)`` key positions and which of them the query may attend (every row must
             keep a key, or an extra logit).
         extra_logits: ``(B, H, T, R)`` already masked logits joined in the same softmax (region summaries);
-            extra_values: ``(B, H, R, Dv)`` their values, shared by every query.
+            extra_values: ``(B, H, R, Dv)`` their values, shared by every query, or with ``extra_idx``
+            ``(B|1, H|1, T, R')`` the rows of ``extra_values`` ``(B, H, N, Dv)`` each query's R' logits read.
         dropout: on the joint weights (training only; pass 0 otherwise).
     Returns ``(B, H, T, Dv)``. Query chunks keep the gathered ``(rows, W, D)`` blocks under ``CHUNK_ELEMENTS``;
     with autograd on, each chunk is recomputed in backward instead of storing them.
@@ -103,12 +106,13 @@ def gathered_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: 
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (qs, k, v) + (
         () if extra_logits is None else (extra_logits, extra_values)))
     if rows >= T and not grad:
-        return _attend(qs, k, v, idx, valid, extra_logits, extra_values, dropout)
+        return _attend(qs, k, v, idx, valid, extra_logits, extra_values, extra_idx, dropout)
     outs = []
     for start in range(0, T, rows):
         part = slice(start, min(start + rows, T))
         args = (qs[:, :, part], k, v, idx[:, :, part], valid[:, :, part],
-                None if extra_logits is None else extra_logits[:, :, part], extra_values, dropout)
+                None if extra_logits is None else extra_logits[:, :, part], extra_values,
+                None if extra_idx is None else extra_idx[:, :, part], dropout)
         outs.append(checkpoint(_attend, *args, use_reentrant=False) if grad else _attend(*args))
     return torch.cat(outs, 2)
 

@@ -1,0 +1,221 @@
+"""Combiner with query-dependent selection (issue 24): a Combiner partition whose ``top_k`` best regions per query
+come back at full resolution inside the same joint softmax.
+
+Combiner mixes direct keys and region summaries in one softmax, but inside a region the weights do not depend on
+the query (``p(j | R)``). Here each query ranks the regions it may use by its logit against their summary keys
+(``q . k_bar_R``, the logit the joint softmax already has) and replaces the ``top_k`` best by their member keys:
+one softmax over [direct keys ; members of the chosen regions ; summaries of the other usable regions]. It keeps
+Combiner's full support and gains exact retrieval inside the chosen regions. ``top_k = 0`` is the plain Combiner
+variant (its own ``forward``); ``top_k`` covering every region a query may use is full attention (the partition
+covers every allowed key exactly once).
+
+The partition is any pooled Combiner partition whose regions a static ``Partition`` describes and whose joint
+softmax is one plan (``SELECT_PARTITIONS``): ``attention.partition=fixed`` (default) and the pooled axial
+factorizations. ``combiner_axial`` (regions summarized by an anchor's own query), ``combiner_routing`` (k-means,
+data-dependent) and ``combiner_logsparse`` (overlapping Fenwick regions: its member table is O(L^2)) are left out.
+
+Fast path: index tables of the partition (direct keys, usable regions, region members), region summaries from
+gathered members (``RegionSummary.region_summaries``, the function decoding uses), a gathered key table per query
+(``ops.block_select``); O(L (Kd + k Km + Kr) D) for Kd direct keys, Km members per region and Kr usable regions
+per query (fixed: Kd = m, Km = m, Kr = n), never an ``L x L`` tensor. No FlexAttention path yet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longseq.attention.base import Attention, AttentionConfigError, check_int_knob
+from longseq.attention.ops.block_select import gather_keys, gathered_attention, score_dtype, scoring, top_blocks
+from longseq.attention.ops.decoding import PartitionDecoder, PartitionState, index_table
+from longseq.attention.ops.masks import NEG_INF
+from longseq.attention.ops.partition import Partition
+from longseq.attention.registry import (
+    ATTENTION_REGISTRY,
+    PARTITION_FAMILIES,
+    accepted_kwargs,
+    build_attention,
+    register_attention,
+)
+
+SELECT_PARTITIONS = ("fixed", "axial_vertical", "axial_horizontal")
+
+
+@register_attention("combiner_select")
+class CombinerSelectAttention(PartitionDecoder, Attention):
+    """A Combiner partition with the ``top_k`` best regions per query at full resolution.
+
+    Args:
+        causal: the partition's causal or bidirectional build.
+        partition: the Combiner partition, a name of ``SELECT_PARTITIONS`` or a mapping ``{name: ..., <knobs>}``
+            (the ``partition=`` config group's form); ``attention.partition=fixed`` by default.
+        top_k: regions per query replaced by their members (0 = the plain Combiner variant).
+        block_size, summary: the partition's knobs (block_size where the partition has one).
+        seq_len, n_heads, head_dim, dropout: see ``Attention``; dropout acts on the joint weights.
+    """
+
+    supports_padding_mask = True
+
+    def __init__(self, *, causal: bool, partition="fixed", top_k: int = 2, block_size: int | None = None,
+                 summary: str = "max", **common) -> None:
+        super().__init__(causal=causal, **common)
+        spec = {"name": partition} if isinstance(partition, str) else dict(partition)
+        geometry = spec.pop("name", None)
+        if geometry not in SELECT_PARTITIONS:
+            raise AttentionConfigError(
+                f"attention.partition={geometry!r} has no combiner_select variant; valid: {list(SELECT_PARTITIONS)}")
+        target = PARTITION_FAMILIES["combiner"][geometry]
+        knobs = {"summary": summary, **spec}
+        if block_size is not None and "block_size" in accepted_kwargs(ATTENTION_REGISTRY[target].cls):
+            knobs.setdefault("block_size", block_size)
+        self.inner = build_attention(target, causal=causal, **common, **knobs)
+        self.top_k = check_int_knob(top_k, "attention.top_k", minimum=0)
+        self.has_parameters = self.inner.has_parameters
+        self._tables: dict = {}
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, partition={self.inner.name}, top_k={self.top_k}"
+
+    # -- geometry: the inner Combiner's --------------------------------------------------------------------
+    def requires_len_multiple_of(self) -> int:
+        return self.inner.requires_len_multiple_of()
+
+    def check_length(self, length: int) -> None:
+        self.inner.check_length(length)
+
+    def partition(self, length: int, device=None) -> Partition:
+        """The plain Combiner partition (before selection)."""
+        return self.inner.partition(length, device)
+
+    def tables(self, length: int, device) -> tuple[torch.Tensor, ...]:
+        """Index tables of ``partition(length)``: direct ``(L, Kd)``, usable regions ``(L, Kr)``, members
+        ``(R, Km)``, each with its valid mask (cached per length and device)."""
+        key = (length, str(device))
+        if key not in self._tables:
+            part = self.partition(length, device)
+            self._tables[key] = (*index_table(part.direct), *index_table(part.usable), *index_table(part.members))
+        return self._tables[key]
+
+    # -- shared steps -------------------------------------------------------------------------------------
+    def summaries(self, qs, k, v, members, member_ok):
+        """Summary keys and values ``(B, H, R, D)`` of every region from its members (``member_ok`` ``(B|1, 1, R,
+        Km)``; an empty region gets its unmasked members so its row stays finite: the caller masks it)."""
+        usable = member_ok | ~member_ok.any(-1, keepdim=True)
+        gather = lambda x: gather_keys(x, members.view(1, 1, *members.shape))  # noqa: E731  (B, H, R, Km, D)
+        return self.inner.summary.region_summaries(gather(qs), gather(k), gather(v), usable)
+
+    def choose(self, qs, k_bar, regions, region_ok):
+        """The ``top_k`` usable regions per query by ``q . k_bar``: ``regions`` ``(B|1, H|1, T, Kr)`` ids, ``region_ok``
+        their usability -> chosen slots ``(B, H, T, k)`` into ``regions`` and whether each is used."""
+        with scoring(qs):
+            dtype = score_dtype(qs)
+            summary_keys = gather_keys(k_bar.to(dtype), regions)  # (B, H, T, Kr, D)
+            scores = (summary_keys @ qs.to(dtype).unsqueeze(-1)).squeeze(-1).masked_fill(~region_ok, NEG_INF)
+        return top_blocks(scores, self.top_k)
+
+    def joint(self, qs, k, v, k_bar, v_bar, direct, direct_ok, regions, region_ok, members, member_ok):
+        """One softmax per query over direct keys, the chosen regions' members and the other usable summaries.
+
+        Tables are per query ``(B|1, H|1, T, .)``; ``members``/``member_ok`` ``(R, Km)`` / ``(B|1, 1, R, Km)``."""
+        B, H, T, _ = qs.shape
+        slots, ok = self.choose(qs, k_bar, regions, region_ok)
+        chosen = regions.expand(B, H, T, -1).gather(-1, slots)  # (B, H, T, k) region ids
+        member_idx = members[chosen].flatten(-2)  # (B, H, T, k * Km)
+        if member_ok.shape[0] == 1:
+            member_valid = member_ok[0, 0][chosen]
+        else:
+            member_valid = member_ok[torch.arange(B, device=qs.device).view(B, 1, 1, 1), 0, chosen]
+        member_valid = (member_valid & ok.unsqueeze(-1)).flatten(-2)
+        idx = torch.cat([direct.expand(B, H, T, -1), member_idx], -1)
+        valid = torch.cat([direct_ok.expand(B, H, T, -1), member_valid], -1)
+        replaced = torch.zeros_like(region_ok.expand(B, H, T, -1)).scatter(-1, slots, ok)
+        summary_keys = gather_keys(k_bar, regions)  # (B, H, T, Kr, D)
+        region_logits = (summary_keys @ qs.unsqueeze(-1)).squeeze(-1).masked_fill(~region_ok | replaced, NEG_INF)
+        return gathered_attention(qs, k, v, idx, valid, region_logits, v_bar, regions,
+                                  dropout=self.dropout if self.training else 0.0)
+
+    # -- the contract ---------------------------------------------------------------------------------------
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, H, L, D) unscaled q, k, v -> (B, H, L, Dv); ``key_padding_mask`` (B, L) bool, True = padded key."""
+        L = q.shape[-2]
+        self.check_length(L)
+        if self.top_k == 0:
+            return self.inner(q, k, v, key_padding_mask=key_padding_mask)
+        return self.selected_forward(q, k, v, key_padding_mask)
+
+    def selected_forward(self, q, k, v, key_padding_mask=None):
+        """The selection path (``forward`` for ``top_k`` > 0; callable at ``top_k = 0`` for tests)."""
+        B, H, L, _ = q.shape
+        direct, direct_ok, regions, region_ok, members, member_ok = self.tables(L, q.device)
+        qs = self.scale(q)
+        direct, direct_ok = direct.view(1, 1, L, -1), direct_ok.view(1, 1, L, -1)
+        regions, region_ok = regions.view(1, 1, L, -1), region_ok.view(1, 1, L, -1)
+        member_ok = member_ok.view(1, 1, *member_ok.shape)
+        if key_padding_mask is not None:  # ``ops.padding``: padded keys leave direct sets and regions
+            real = ~key_padding_mask.to(device=q.device, dtype=torch.bool)  # (B, L)
+            member_ok = member_ok & real[:, members].unsqueeze(1)  # (B, 1, R, Km)
+            occupied = member_ok.any(-1)  # (B, 1, R)
+            region_ok = region_ok & occupied[torch.arange(B, device=q.device).view(B, 1, 1, 1), 0, regions]
+            unpadded = direct_ok
+            direct_ok = direct_ok & real[:, direct[0, 0]].unsqueeze(1)
+            empty = ~(direct_ok.any(-1, keepdim=True) | region_ok.any(-1, keepdim=True))
+            direct_ok = torch.where(empty, unpadded, direct_ok)  # rule 3: unpadded direct keys
+        k_bar, v_bar = self.summaries(qs, k, v, members, member_ok)
+        return self.joint(qs, k, v, k_bar, v_bar, direct, direct_ok, regions, region_ok, members, member_ok)
+
+    def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, H, L, L) dense reference (small L), independent of the tables of ``forward``: per document and head,
+        the partition (``without_padding`` under key padding), pooled summary keys, the ``top_k`` usable regions
+        by ``q . k_bar`` moved into the direct set, then ``RegionSummary.matrix`` of that partition."""
+        B, H, L, _ = q.shape
+        base, qs = self.partition(L, q.device), self.scale(q)
+        pads = torch.zeros(B, L, dtype=torch.bool, device=q.device) if key_padding_mask is None else \
+            key_padding_mask.to(device=q.device, dtype=torch.bool)
+        rows = []
+        for b in range(B):
+            part = base.without_padding(pads[b])
+            heads = []
+            for h in range(H):
+                qh, kh = qs[b : b + 1, h : h + 1], k[b : b + 1, h : h + 1]
+                chosen = torch.zeros_like(part.usable)
+                if part.members.shape[0]:
+                    k_bar = self.inner.summary.pool_region_keys(kh, part.members)  # (1, 1, R, D)
+                    with scoring(qh):
+                        dtype = score_dtype(qh)
+                        scores = (qh.to(dtype) @ k_bar.to(dtype).transpose(-1, -2))[0, 0]
+                    slots, ok = top_blocks(scores.masked_fill(~part.usable, NEG_INF), self.top_k)
+                    chosen.scatter_(-1, slots, ok)
+                direct = part.direct | ((chosen.double() @ part.members.double()) > 0)
+                selected = Partition(direct, part.members, part.usable & ~chosen, part.family, part.anchor)
+                heads.append(self.inner.summary.matrix(selected, qh, kh))
+            rows.append(torch.cat(heads, 1))
+        return torch.cat(rows)
+
+    # -- incremental decoding (``PartitionDecoder`` tables and cached summaries; selection per step) -----------
+    def decoding_partition(self, length: int, device=None) -> Partition:
+        return self.partition(length, device)
+
+    def region_summaries(self, q, k, v, member, anchor_q=None, anchor_k=None):
+        return self.inner.summary.region_summaries(q, k, v, member)
+
+    def step(self, state: PartitionState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One position: q, k, v ``(B, H, 1, D)`` unscaled -> ``(B, H, 1, D)``; the completed regions' summaries are
+        cached (``PartitionDecoder``), the ``top_k`` usable ones replaced by their members from the cache."""
+        if self.top_k == 0:
+            return super().step(state, q, k, v)
+        t = state.reserve(q, 1)
+        if state.q is None:
+            state.allocate(q, v)
+        tables = state.tables
+        qs = self.scale(q)
+        state.q[:, :, t], state.k[:, :, t], state.v[:, :, t] = qs[:, :, 0], k[:, :, 0], v[:, :, 0]
+        state.length = t + 1
+        done = tables.completing[t]
+        if done.numel():
+            self._summarize(state, done)
+        view = lambda x: x[t].view(1, 1, 1, -1)  # noqa: E731
+        member_ok = tables.members_valid.view(1, 1, *tables.members_valid.shape)
+        return self.joint(qs, state.k, state.v, state.k_bar, state.v_bar, view(tables.direct),
+                          view(tables.direct_valid), view(tables.usable[0]), view(tables.usable_valid[0]),
+                          tables.members, member_ok)
