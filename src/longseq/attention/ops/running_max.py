@@ -62,21 +62,23 @@ class _BlockedRunningMax(torch.autograd.Function):
         outer = range(nb - 1, -1, -1) if reverse else range(nb)  # and over the blocks
         first = inner[0]
         outs = []
+        # Writes into the strided block views are in-place ops (copy_ then clamp_ / addcmul_), never ``out=`` a
+        # strided view: the same passes over memory, and torch.compile traces them (``out=`` breaks the graph).
         for x in xs:
             out = torch.empty_like(x, memory_format=torch.contiguous_format)
             xb, ob = _blocks(x, dim, b), _blocks(out, dim, b)  # (nb, b, ...)
             if nb > 1:
                 seen = xb.amax(1)  # (nb, ...): each block's max, then the running max over blocks
                 for before, at in pairwise(outer):
-                    torch.maximum(seen[at], seen[before], out=seen[at])
+                    seen[at].clamp_(min=seen[before])
                 opening, later = (-1, slice(None, -1)) if reverse else (0, slice(1, None))
                 earlier = slice(1, None) if reverse else slice(None, -1)
                 ob[opening, first].copy_(xb[opening, first])
-                torch.maximum(xb[later, first], seen[earlier], out=ob[later, first])
+                ob[later, first].copy_(xb[later, first]).clamp_(min=seen[earlier])
             else:
                 ob[:, first].copy_(xb[:, first])
             for before, at in pairwise(inner):
-                torch.maximum(xb[:, at], ob[:, before], out=ob[:, at])
+                ob[:, at].copy_(xb[:, at]).clamp_(min=ob[:, before])
             outs.append(out)
         ctx.save_for_backward(*outs, *xs)
         ctx.dim, ctx.reverse = dim, reverse
@@ -105,14 +107,14 @@ class _BlockedRunningMax(torch.autograd.Function):
             a[:, last].copy_(g[:, last])
             through = torch.ones_like(a[:, 0])  # (nb, ...): carried across the whole block after its first position
             for after, at in pairwise(reversed(inner)):
-                torch.addcmul(g[:, at], a[:, after], c[:, after], out=a[:, at])
+                a[:, at].copy_(g[:, at]).addcmul_(a[:, after], c[:, after])
                 through.mul_(c[:, after])
             # the gradient entering each block from the next one (scan order), passed down the block; only positions
             # that attain their max keep a gradient
             entering = torch.zeros_like(through)
             for after, at in pairwise(reversed(outer)):
                 total = torch.addcmul(a[after, first], through[after], entering[after])
-                torch.mul(total, c[after, first], out=entering[at])
+                entering[at].copy_(total).mul_(c[after, first])
             a[:, last].add_(entering).addcmul_(a[:, last], c[:, last], value=-1)
             for after, at in pairwise(reversed(inner)):
                 entering.mul_(c[:, after])
