@@ -120,3 +120,65 @@ def test_long_sequences_and_disabled_log_nothing(tmp_path: Path) -> None:
     assert [p.name for p in shown.written] == ["attention_layer0_step1.png"]
     with pytest.raises(ValueError, match="callbacks.attention_maps.every_n_epochs"):
         AttentionMaps(str(tmp_path), every_n_epochs=0)
+
+
+def test_final_weights_get_maps_when_training_ends_between_logged_validations(make_cfg, tmp_path: Path) -> None:
+    """every_n_epochs=10 and fit ends after one epoch: no validation draws, the end of training does (step 3)."""
+    from longseq.runner import train
+
+    train(make_cfg([o for o in FIT_WITH_VALIDATION if "every_n_epochs" not in o] + ["logger=csv"]))
+    own = sorted(p.name for p in (tmp_path / "attention_maps").glob("*.png"))
+    assert own == ["attention_layer0_step3.png", "attention_layer1_step3.png"]
+    assert sorted(p.name for p in (tmp_path / "csv" / "attention_maps").glob("*.png")) == own
+
+
+def test_final_maps_replay_the_kept_example_through_the_final_weights(tmp_path: Path) -> None:
+    """The example row kept at the last validation is run through the *current* weights at the end of training,
+    in eval mode, and every hook is gone afterwards."""
+    torch.manual_seed(0)
+
+    class Task(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = Transformer(vocab_size=17, seq_len=16, n_layers=2, d_model=16, n_heads=2, dropout=0.5,
+                                   attention={"name": "full", "causal": True})
+
+    task = Task().train()
+    trainer = SimpleNamespace(sanity_checking=False, fast_dev_run=False, is_global_zero=True, global_step=5,
+                              current_epoch=0, loggers=[], state=SimpleNamespace(fn="fit"),
+                              strategy=SimpleNamespace())
+    callback = AttentionMaps(str(tmp_path), every_n_epochs=10, example_index=1)
+    tokens = torch.randint(0, 17, (3, 16))
+    callback.on_validation_batch_start(trainer, task, None, 0)
+    task.net(tokens)
+    callback.on_validation_batch_end(trainer, task, None, None, 0)
+    callback.on_validation_epoch_end(trainer, task)
+    assert not callback.written and callback.example[0][0].shape == (1, 16)  # not due: nothing drawn, row kept
+    with torch.no_grad():  # "training" moves the weights after the last validation
+        for p in task.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    trainer.global_step = 9
+    seen = {}
+    callback.log_maps = lambda trainer: seen.update({n: qkv for n, (_, qkv, _) in callback.captured.items()})
+    callback.final = False  # callbacks.attention_maps.final=false: no maps at the end
+    callback.on_train_end(trainer, task)
+    assert not seen
+    callback.final = True
+    callback.on_train_end(trainer, task)
+    assert task.training and all(not m._forward_pre_hooks for m in task.modules())
+    probes = {}
+
+    def probe(name):
+        def hook(module, args, kwargs):
+            probes[name] = args[:3]
+        return hook
+
+    for name, attention in attention_modules(task):
+        attention.register_forward_pre_hook(probe(name), with_kwargs=True)
+    task.eval()
+    with torch.no_grad():
+        task.net(tokens[1:2])
+    assert set(seen) == set(probes) and len(seen) == 2
+    for name in seen:
+        for got, want in zip(seen[name], probes[name]):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -2,7 +2,9 @@
 
 During the first validation batch of a logged epoch, forward pre-hooks on every registered attention module
 (``longseq.attention.base.Attention``; the model is not edited) keep the q, k, v ``(B, H, L, D)`` of one
-example (``example_index``). At validation end each layer's own ``attention_matrix(q, k, v)`` — the
+example (``example_index``). At the end of training the final weights get their maps too (``final``), unless
+the last validation already drew that step: the backbone (``pl_module.net``) is run once more on the same
+example, kept from the first batch of the latest validation (the sanity check included). At validation end each layer's own ``attention_matrix(q, k, v)`` — the
 effective normalized weights the layer applied, ``(1, H, L, L)`` — is drawn head-averaged and per head, cropped
 to the first ``max_positions`` queries and keys when L is larger. Figures go to
 ``<dirpath>/attention_layer<i>_step<N>.png`` and to every logger: TensorBoard images, W&B ``wandb.Image``,
@@ -22,7 +24,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from longseq.attention.base import Attention
-from longseq.models.transformer import check_positive_int
+from longseq.models.transformer import check_positive_int, eval_mode
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +69,8 @@ def figure_to_array(fig) -> np.ndarray:
 
 
 class AttentionMaps(L.Callback):
-    """Every ``every_n_epochs`` validation epochs, log per-layer attention maps of one validation example.
+    """Every ``every_n_epochs`` validation epochs and at the end of training, log per-layer attention maps of
+    one validation example.
 
     Args:
         dirpath: folder for the PNG files (``<run>/attention_maps``).
@@ -78,33 +81,65 @@ class AttentionMaps(L.Callback):
         max_seq_len: do nothing when the captured sequence is longer (``attention_matrix`` is O(H L^2)
             memory); the config's 1024 logs maps for digits and the 1K LRA tasks, not for longer sequences.
         enabled: switch the callback off entirely (``callbacks.attention_maps.enabled=false``).
+        final: also draw the final weights at the end of training (``every_n_epochs`` alone would leave the
+            trained model without maps whenever training ends between two logged validations).
     """
 
     def __init__(self, dirpath: str, every_n_epochs: int = 1, example_index: int = 0, max_positions: int = 64,
-                 max_seq_len: int = 1024, enabled: bool = True) -> None:
+                 max_seq_len: int = 1024, enabled: bool = True, final: bool = True) -> None:
         check_positive_int("callbacks.attention_maps.every_n_epochs", every_n_epochs)
         self.dirpath = Path(dirpath)
         self.every_n_epochs, self.example_index = every_n_epochs, example_index
-        self.max_positions, self.max_seq_len, self.enabled = max_positions, max_seq_len, enabled
+        self.max_positions, self.max_seq_len, self.enabled, self.final = max_positions, max_seq_len, enabled, final
         self.captured: dict[str, tuple[Attention, tuple[torch.Tensor, ...], dict[str, Any]]] = {}
         self.handles: list[Any] = []
         self.written: list[Path] = []
+        self.example: tuple[tuple, dict[str, Any]] | None = None  # the backbone's input for the chosen row
+        self.last_step: int | None = None  # the step whose maps were drawn last
 
     def due(self, trainer: L.Trainer) -> bool:
-        """Every N-th validation epoch of fit, and a stand-alone ``validate`` (the runner's final-weights check)."""
+        """Every N-th validation epoch of fit, and a stand-alone ``validate`` (the runner's final-weights check)
+        of a step not drawn yet."""
         if not self.enabled or trainer.sanity_checking or trainer.fast_dev_run:
             return False
         if trainer.state.fn == "validate":
-            return True
+            return self.last_step != trainer.global_step
         return trainer.state.fn == "fit" and (trainer.current_epoch + 1) % self.every_n_epochs == 0
 
     def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:
-        if batch_idx != 0 or dataloader_idx != 0 or not trainer.is_global_zero or not self.due(trainer):
+        if batch_idx != 0 or dataloader_idx != 0 or not trainer.is_global_zero or not self.enabled:
+            return
+        backbone = getattr(pl_module, "net", None)
+        if self.final and trainer.state.fn == "fit" and isinstance(backbone, torch.nn.Module):
+            self.handles.append(backbone.register_forward_pre_hook(self.example_hook, with_kwargs=True))
+        if not self.due(trainer):
             return
         self.captured.clear()
+        self.capture(pl_module)
+
+    def capture(self, pl_module: torch.nn.Module) -> None:
+        """Hook every attention module of ``pl_module`` to keep the chosen row's (q, k, v) of its next forward."""
         for name, attention in attention_modules(pl_module):
             self.handles.append(attention.register_forward_pre_hook(self.capture_hook(name), with_kwargs=True))
+
+    def example_hook(self, backbone: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Keep the backbone's input for the chosen row, to replay it on the final weights at the end of training.
+
+        Tensors with the batch's leading size are cut to that row; other values are kept as they are. An input
+        nested in containers (a recurrent memory) is not replayable: nothing is kept.
+        """
+        values = list(args) + list(kwargs.values())
+        if not values or not torch.is_tensor(values[0]) or any(isinstance(v, (list, tuple, dict)) for v in values):
+            self.example = None
+            return
+        batch = values[0].shape[0]
+        row = min(self.example_index, batch - 1)
+
+        def cut(value: Any) -> Any:
+            return value[row:row + 1].detach() if torch.is_tensor(value) and value.shape[:1] == (batch,) else value
+
+        self.example = (tuple(cut(a) for a in args), {key: cut(value) for key, value in kwargs.items()})
 
     def capture_hook(self, name: str):
         def hook(attention: Attention, args: tuple, kwargs: dict) -> None:
@@ -129,6 +164,34 @@ class AttentionMaps(L.Callback):
         self.remove_hooks()
         if not self.captured or not self.due(trainer):
             return
+        self.draw(trainer)
+
+    @rank_zero_only
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """The final weights' maps: the kept example through the backbone once more (no gradients, eval mode)."""
+        self.remove_hooks()
+        if not self.enabled or not self.final or trainer.fast_dev_run or self.last_step == trainer.global_step:
+            return
+        if self.example is None:
+            log.info("attention maps of the final weights skipped: no validation example was seen during fit")
+            return
+        if any(kind in type(trainer.strategy).__name__ for kind in ("FSDP", "DeepSpeed")):
+            # The backbone's parameters are sharded across ranks: rank 0 alone cannot run it.
+            log.info("attention maps of the final weights skipped: sharded parameters (FSDP / DeepSpeed)")
+            return
+        args, kwargs = self.example
+        self.captured.clear()
+        self.capture(pl_module)
+        try:
+            with torch.no_grad(), eval_mode(pl_module):
+                pl_module.net(*args, **kwargs)
+        finally:
+            self.remove_hooks()
+        if self.captured:
+            self.draw(trainer)
+
+    def draw(self, trainer: L.Trainer) -> None:
+        """Log the captured maps unless the sequence is longer than ``max_seq_len``; then forget them."""
         length = next(iter(self.captured.values()))[1][0].shape[-2]
         if length > self.max_seq_len:
             log.info(f"attention maps skipped: L = {length} > callbacks.attention_maps.max_seq_len={self.max_seq_len}")
@@ -141,7 +204,7 @@ class AttentionMaps(L.Callback):
         """Draw and log one figure per layer; returns the PNG paths written under ``dirpath``."""
         import matplotlib.pyplot as plt
 
-        step = trainer.global_step
+        step = self.last_step = trainer.global_step
         self.dirpath.mkdir(parents=True, exist_ok=True)
         paths = []
         for layer, (name, (attention, (q, k, v), kwargs)) in enumerate(self.captured.items()):
