@@ -22,6 +22,7 @@ from omegaconf import DictConfig  # noqa: E402
 from longseq.runner import metric_value, set_float32_precision, train  # noqa: E402
 from longseq.utils.config import extras, register_resolvers  # noqa: E402
 from longseq.utils.console import error_summary, full_errors, report_and_exit  # noqa: E402
+from longseq.utils.errors import name_user_key  # noqa: E402
 from longseq.utils.resume import preflight  # noqa: E402
 
 register_resolvers()
@@ -35,6 +36,7 @@ def main(cfg: DictConfig) -> float | None:
     try:
         return run(cfg, Path(hydra_cfg.runtime.output_dir), multirun)
     except Exception as exc:
+        name_user_key(exc, cfg)  # task.data.batch_size=${task.batch_size}: the message names task.batch_size
         if full_errors() or multirun:  # a sweeper records the failed trial from the exception
             print(error_summary(exc), file=sys.stderr)
             raise

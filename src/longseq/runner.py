@@ -24,7 +24,7 @@ from torchmetrics import Metric
 from longseq.callbacks.progress import StepProgressBar
 from longseq.report.outcome import records_run_outcome
 from longseq.utils.checkpoint import AtomicCheckpointIO, check_model_matches, read_checkpoint
-from longseq.utils.config import check_trainer_types, register_resolvers
+from longseq.utils.config import check_batch_sizes, check_task_geometry, check_trainer_types, register_resolvers
 from longseq.utils.console import quiet_lightning
 from longseq.utils.errors import ConfigError, NonFiniteError
 
@@ -160,6 +160,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """
     register_resolvers()
     check_trainer_types(cfg.trainer)
+    check_task_geometry(cfg.task)
     check_ckpt_path(cfg)
     output_dir = Path(cfg.paths.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -175,6 +176,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     callbacks = instantiate_group(cfg.get("callbacks"))
     loggers = instantiate_group(cfg.get("logger"))
     trainer = build_trainer(cfg, callbacks, loggers)
+    check_batch_sizes(cfg, datamodule, trainer.world_size)  # here, before a spawned fit starts its processes
     trained = bool(cfg.get("train", True))
     try:
         for logger in loggers:

@@ -24,6 +24,10 @@ def register_resolvers() -> None:
     """OmegaConf resolvers used by the configs (idempotent)."""
     if not OmegaConf.has_resolver("eval"):
         OmegaConf.register_new_resolver("eval", eval)  # arithmetic in YAML, e.g. ${eval:'${a} // 2'}
+    if not OmegaConf.has_resolver("run_suffix"):  # unique run/sweep dir names (conf/hydra/default.yaml)
+        from longseq.utils.rundir import run_suffix
+
+        OmegaConf.register_new_resolver("run_suffix", run_suffix, use_cache=True)
 
 
 def print_config_tree(cfg: DictConfig, save_to: Path | None = None, order: Sequence[str] = PRINT_ORDER,
@@ -110,8 +114,40 @@ TRAINER_TYPES: dict[str, tuple[tuple[type, ...], bool, str]] = {
 POSITIVE = {"num_nodes", "accumulate_grad_batches", "log_every_n_steps", "check_val_every_n_epoch"}
 
 
+TRAINER_TARGETS = ("lightning.pytorch.Trainer", "lightning.pytorch.trainer.trainer.Trainer", "lightning.Trainer",
+                   "pytorch_lightning.Trainer")
+
+
+def trainer_arguments() -> set[str]:
+    """The keyword arguments of ``lightning.pytorch.Trainer`` (what ``trainer.<key>`` may name)."""
+    import inspect
+
+    from lightning.pytorch import Trainer
+
+    return {name for name in inspect.signature(Trainer.__init__).parameters if name != "self"}
+
+
+def check_trainer_keys(trainer: DictConfig | dict) -> None:
+    """Raise ``ConfigError('trainer.<key>', ...)`` for a key Lightning's Trainer does not take (``+trainer.bogus=1``);
+    Lightning would say only ``Trainer.__init__() got an unexpected keyword argument``."""
+    import difflib
+
+    if str(trainer.get("_target_", TRAINER_TARGETS[0])) not in TRAINER_TARGETS:
+        return  # a custom trainer class: its own signature decides
+    valid = trainer_arguments()
+    for key in trainer:
+        if key == "_target_" or key in valid:
+            continue
+        close = difflib.get_close_matches(str(key), sorted(valid), n=1)
+        hint = f" (did you mean trainer.{close[0]}?)" if close else ""
+        raise ConfigError(f"trainer.{key}", f"is not an argument of lightning.pytorch.Trainer{hint}; valid keys: "
+                                            f"{', '.join(sorted(valid))}")
+
+
 def check_trainer_types(trainer: DictConfig | dict) -> None:
-    """Raise ``ConfigError('trainer.<key>', ...)`` for a trainer value of the wrong type or sign."""
+    """Raise ``ConfigError('trainer.<key>', ...)`` for a trainer key Lightning does not take, or a value of the
+    wrong type or sign."""
+    check_trainer_keys(trainer)
     for key, (types, nullable, expected) in TRAINER_TYPES.items():
         if key not in trainer:
             continue
@@ -128,3 +164,49 @@ def check_trainer_types(trainer: DictConfig | dict) -> None:
     devices = trainer.get("devices")
     if devices is not None and not isinstance(devices, (int, str, list, ListConfig)):
         raise ConfigError("trainer.devices", f"expected an integer, 'auto' or a list of device ids, got {devices!r}")
+
+
+def check_task_geometry(task: DictConfig | dict) -> None:
+    """Raise ``ConfigError('task.seq_len', ...)`` when ``task.seq_len`` disagrees with a task's fixed geometry.
+
+    An image task's sequence is its pixels (``task.image_shape``: digits 8 x 8 x 1 = 64 tokens), and an LRA task
+    with a fixed ``task.max_length`` (Image, Pathfinder) has ``max_length`` (+1 for ``pooling=cls``) positions:
+    an overridden ``task.seq_len`` would otherwise be ignored by the data, or fail deep inside the model.
+    """
+    if not task or task.get("seq_len") is None:
+        return
+    seq_len, name = task.seq_len, task.get("name", "?")
+    shape = task.get("image_shape")
+    if shape is not None:
+        tokens = 1
+        for size in shape:
+            tokens *= int(size)
+        if seq_len != tokens:
+            raise ConfigError("task.seq_len", f"{seq_len} does not fit task={name}: its images are "
+                                              f"{' x '.join(map(str, shape))} = {tokens} tokens (a fixed geometry); "
+                                              f"drop the override (or use task.seq_len={tokens})")
+    elif task.get("max_length") is not None and task.get("pooling") is not None:
+        tokens = int(task.max_length) + (task.pooling == "cls")
+        if seq_len != tokens:
+            raise ConfigError("task.seq_len", f"{seq_len} does not fit task={name}: its sequences are "
+                                              f"task.max_length={task.max_length} tokens"
+                                              f"{' + 1 (pooling=cls)' if task.pooling == 'cls' else ''} = {tokens}; "
+                                              "set task.max_length where the task allows it, not task.seq_len")
+
+
+def check_batch_sizes(cfg: DictConfig, datamodule: Any, world_size: int) -> None:
+    """The global batch sizes divide over ``world_size`` processes (and gradient accumulation), checked in the
+    launching process: a ``ddp_spawn`` fit would otherwise start its workers first and fail in each of them.
+    The rule itself is ``longseq.data.batching.per_device_batch_size`` (the datamodules apply it again in
+    ``setup``); the message names the key the user typed (``task.batch_size``, not ``task.data.batch_size``)."""
+    from longseq.data.batching import per_device_batch_size
+    from longseq.utils.errors import user_key
+
+    batch = getattr(datamodule, "batch_size", None)
+    if not isinstance(batch, int):
+        return
+    accumulate = int(getattr(datamodule, "accumulate_grad_batches", 1) or 1)
+    per_device_batch_size(batch, world_size, accumulate, key=user_key(cfg, "task.data.batch_size"))
+    eval_batch = getattr(datamodule, "eval_batch_size", None)
+    if isinstance(eval_batch, int):
+        per_device_batch_size(eval_batch, world_size, 1, key=user_key(cfg, "task.data.eval_batch_size"))

@@ -10,7 +10,7 @@ import warnings
 
 from hydra.errors import InstantiationException
 
-from longseq.utils.errors import ConfigError, DataError, NonFiniteError
+from longseq.utils.errors import ConfigError, DataError, NonFiniteError, key_and_message
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,8 @@ def quiet_lightning() -> None:
 
 
 def error_summary(exc: BaseException) -> str:
-    """``error: <key or file[:line]>: <message>`` for the user's errors, ``error: <Type>: <message>`` otherwise."""
+    """``error: <key or file[:line]>: <message>`` for the user's errors (a message naming a config key counts:
+    ``errors.key_and_message``), ``error: <Type>: <message>`` otherwise."""
     # hydra.utils.instantiate wraps what a constructor raised (datamodules are built through it): report the cause.
     while isinstance(exc, InstantiationException) and exc.__cause__ is not None:
         exc = exc.__cause__
@@ -61,6 +62,8 @@ def error_summary(exc: BaseException) -> str:
         # A spawned DDP worker's exception arrives as its formatted traceback: keep its last line.
         last = [line for line in str(exc).strip().splitlines() if line.strip()][-1]
         where, _, message = last.partition(": ")
+    elif (named := key_and_message(exc)) is not None:  # AttentionConfigError, ValueError ... naming their key
+        where, message = named
     else:
         where, message = type(exc).__name__, str(exc)
     message = " ".join(message.split()) or type(exc).__name__

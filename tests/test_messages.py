@@ -1,0 +1,103 @@
+"""Every error names the key the user typed: ``error: <key | file:line>: <message>`` (README: When things go wrong).
+
+One test per message that used to print ``error: <ExceptionType>:`` (or a raw Lightning message). Each runs the
+real ``runner.train`` in-process on the composed config (they fail while building, before any step) and prints
+the console line through ``error_summary`` after ``name_user_key``, as ``train.py`` does; one goes through the
+``train.py`` CLI end to end.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+from conftest import ROOT, compose_config
+
+from longseq.runner import train
+from longseq.utils.console import error_summary
+from longseq.utils.errors import key_and_message, name_user_key, user_key
+
+
+def console_line(overrides: list[str], tmp_path) -> str:
+    """The ``error:`` line ``train.py`` prints for ``overrides`` (the run must fail)."""
+    cfg = compose_config(overrides, tmp_path)
+    with pytest.raises(Exception) as info:
+        train(cfg)
+    return error_summary(name_user_key(info.value, cfg))
+
+
+# AttentionConfigError: the attention's own validation, raised while the model is built.
+@pytest.mark.parametrize("overrides,line", [
+    (["attention=sparse"], "error: attention: sparse needs partition=<name>; valid: ['axial'"),
+    (["attention=combiner", "partition=axial", "partition.block_size=7"],
+     "error: attention.block_size: 7 does not tile sequence length 64; valid values: [1, 2, 4, 8, 16, 32, 64]"),
+    (["attention=local", "attention.window=0"], "error: attention.window: must be an integer >= 1, got 0"),
+    (["attention=fnet"], "error: attention: 'fnet' cannot be causal (attention.causal=true)"),
+    (["+attention.bogus=1"], "error: attention.bogus: attention 'full' does not accept attention.bogus; valid keys:"),
+])
+def test_attention_config_errors_name_their_key(overrides, line, tmp_path):
+    assert console_line(overrides, tmp_path).startswith(line)
+
+
+def test_bidirectional_attention_on_a_causal_task_names_attention_causal(tmp_path):
+    assert console_line(["attention.causal=false"], tmp_path).startswith(
+        "error: attention.causal: DensityTask needs causal attention")
+
+
+def test_batch_size_names_the_key_typed_and_is_checked_before_ddp_spawns(tmp_path, monkeypatch):
+    """``task.data.batch_size`` is ``${task.batch_size}``: the user typed ``task.batch_size``. The check runs in the
+    launching process, so ``trainer=ddp_cpu`` starts no worker for a batch that cannot divide."""
+    monkeypatch.setattr(L.Trainer, "fit", lambda *a, **k: pytest.fail("fit (and its spawned workers) started"))
+    line = console_line(["trainer=ddp_cpu", "task.batch_size=3"], tmp_path)
+    assert line == ("error: task.batch_size: 3 (global batch) must be a positive multiple of devices x "
+                    "accumulate_grad_batches = 2 x 1 = 2")
+
+
+def test_accumulation_batch_error_names_task_batch_size(tmp_path):
+    line = console_line(["task.batch_size=10", "trainer.accumulate_grad_batches=4"], tmp_path)
+    assert line.startswith("error: task.batch_size: 10 (global batch) must be a positive multiple")
+
+
+def test_a_message_naming_an_interpolated_key_is_pointed_at_the_typed_one(tmp_path):
+    cfg = compose_config([], tmp_path)
+    assert user_key(cfg, "task.data.batch_size") == "task.batch_size"
+    assert user_key(cfg, "task.data.seed") == "task.data.seed"  # a plain value: itself
+    exc = name_user_key(ValueError("task.data.batch_size=7 (global batch) must be even"), cfg)
+    assert error_summary(exc) == "error: task.batch_size: 7 (global batch) must be even"
+
+
+def test_missing_dataset_names_the_data_key(tmp_path):
+    """The message says ``task.data.data_dir``, which is ``${paths.data_dir}``: the key the user typed."""
+    line = console_line(["task=cifar10", "task.data.download=false", f"paths.data_dir={tmp_path / 'none'}"], tmp_path)
+    assert line.startswith("error: paths.data_dir: CIFAR-10 not found under ")
+
+
+def test_unknown_trainer_key_names_trainer_key(tmp_path):
+    line = console_line(["+trainer.max_step=3"], tmp_path)
+    assert line.startswith("error: trainer.max_step: is not an argument of lightning.pytorch.Trainer "
+                           "(did you mean trainer.max_steps?); valid keys: accelerator,")
+    assert console_line(["+trainer.bogus=1"], tmp_path).startswith("error: trainer.bogus: is not an argument")
+
+
+def test_seq_len_on_a_fixed_geometry_task_is_rejected(tmp_path):
+    assert console_line(["task.seq_len=100"], tmp_path) == (
+        "error: task.seq_len: 100 does not fit task=digits: its images are 8 x 8 x 1 = 64 tokens (a fixed "
+        "geometry); drop the override (or use task.seq_len=64)")
+
+
+def test_messages_without_a_key_keep_their_type():
+    assert error_summary(RuntimeError("CUDA out of memory")) == "error: RuntimeError: CUDA out of memory"
+    assert key_and_message(ValueError("no key in /data/task.data/x here")) is None
+    assert key_and_message(RuntimeError("attention.window is bad")) is None  # torch internals: not the user's key
+
+
+def test_cli_prints_the_key_form_and_exits_1(tmp_path):
+    out = subprocess.run([sys.executable, "train.py", "attention=fnet", f"hydra.run.dir={tmp_path}",
+                          "extras.print_config=false"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert out.returncode == 1
+    assert "error: attention: 'fnet' cannot be causal (attention.causal=true)" in out.stderr
+    assert "AttentionConfigError" not in out.stderr
