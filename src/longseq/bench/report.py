@@ -19,6 +19,7 @@ COLUMNS = [
     "attention", "length", "mode", "ms", "peak_mem_mb", "ratio_to_full",
     "status", "note", "causal", "block_size", "n_clusters", "batch", "heads", "head_dim", "dtype", "device",
     "repeats", "ms_min", "ms_max", "warmup_ms", "input_mem_mb",
+    "flex_tiles",  # tiles the flex backend's block masks visit ÷ causal full's (bench.run.flex_tile_rows; no timing)
 ]
 
 
@@ -104,51 +105,103 @@ def write_json(data: Any, path: Path) -> None:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
 
 
-def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Two log-log panels like the Combiner paper's Fig. 3: ms/iter and peak memory vs length.
+FAMILY_COLOURS = {"dense": "Greys", "sparse": "Blues", "combiner": "Reds", "efficient": "Greens", "other": "Purples"}
+MARKERS = "osD^v<>pP*Xh"
+LINESTYLES = ("-", "--", "-.", ":")
+MODE_STYLES = {"fwd": "-", "fwd_bwd": "--"}
 
-    One colour per attention; solid lines for ``fwd``, dashed for ``fwd_bwd``. Cells that did not run
-    (oom, over budget, error) are left out, so a line ends where the attention stopped fitting.
+
+def family(label: str) -> str:
+    """The registry family of a bench label (``combiner_axial:row_summary=none`` -> ``combiner``); ``other``
+    for a name the registry does not hold."""
+    from longseq.attention import ATTENTION_REGISTRY
+
+    factory = ATTENTION_REGISTRY.get(label.split(":", 1)[0])
+    return getattr(getattr(factory, "cls", None), "family", None) or "other"
+
+
+def curve_styles(names: list[str], modes: list[str]) -> dict[tuple[str, str], dict[str, Any]]:
+    """``(attention, mode) -> matplotlib line style``: one hue per family (its members in shades of it), and
+    within a family a distinct marker each; the line style tells the mode apart when there are several, else
+    it is one more per-member cue. So 26 attentions stay distinguishable in print and without colour."""
+    from matplotlib import colormaps
+
+    members: dict[str, list[str]] = {}
+    for name in names:
+        members.setdefault(family(name), []).append(name)
+    styles = {}
+    for fam, group in members.items():
+        cmap = colormaps[FAMILY_COLOURS.get(fam, "Purples")]
+        for index, name in enumerate(group):
+            shade = 0.85 if len(group) == 1 else 0.95 - 0.55 * index / (len(group) - 1)  # dark to light
+            for mode in modes:
+                linestyle = (MODE_STYLES.get(mode, ":") if len(modes) > 1
+                             else LINESTYLES[index % len(LINESTYLES)])
+                styles[name, mode] = dict(color=cmap(shade), marker=MARKERS[index % len(MARKERS)],
+                                          linestyle=linestyle, markersize=4.5, linewidth=1.4)
+    return styles
+
+
+def benchmark_figure(rows: list[dict[str, Any]], title: str, figure=None):
+    """Two log-log panels like the Combiner paper's Fig. 3: ms/iter and peak memory vs length; returns the figure.
+
+    Coloured by family (``curve_styles``), one legend for both panels grouped under family headings. Cells that
+    did not run (oom, over budget, error) are left out, so a line ends where the attention stopped fitting.
+    ``figure``: draw into this one (the notebook passes ``plt.figure()`` to show it inline); default a new
+    ``matplotlib.figure.Figure`` that no pyplot state holds. The one plotting function of ``make bench``
+    (``plot``) and ``notebooks/benchmark.ipynb``.
     """
-    import matplotlib
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    attentions = list(dict.fromkeys(r["attention"] for r in rows))
+    ok = [r for r in rows if r["status"] == "ok"]
+    names = list(dict.fromkeys(r["attention"] for r in rows))
     modes = list(dict.fromkeys(r["mode"] for r in rows))
-    colours = plt.get_cmap("tab20" if len(attentions) > 10 else "tab10")
-    markers = "os^vD<>pP*Xh"
-    styles = {"fwd": "-", "fwd_bwd": "--"}
-    figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(13, 5.5))
-    for index, name in enumerate(attentions):
+    styles = curve_styles(names, modes)
+    figure = figure if figure is not None else Figure(figsize=(13, 5.5))
+    time_axis, memory_axis = figure.subplots(1, 2)
+    entries: dict[str, list[tuple[Line2D, str]]] = {}
+    for name in names:
         for mode in modes:
-            cells = sorted((r for r in rows if r["attention"] == name and r["mode"] == mode
-                            and r["status"] == "ok"), key=lambda r: r["length"])
+            cells = sorted((r for r in ok if r["attention"] == name and r["mode"] == mode), key=lambda r: r["length"])
             if not cells:
                 continue
-            label = name if len(modes) == 1 else f"{name} ({mode})"
-            style = dict(color=colours(index % colours.N), marker=markers[index % len(markers)],
-                         linestyle=styles.get(mode, ":"), label=label, markersize=4)
+            style = styles[name, mode]
             lengths = [r["length"] for r in cells]
-            time_axis.plot(lengths, [r["ms"] for r in cells], **style)
+            (line,) = time_axis.plot(lengths, [r["ms"] for r in cells], **style)
             # zero growth (below the page granularity) cannot sit on a log axis
-            memory = [(r["length"], max(r["peak_mem_mb"], 1e-2)) for r in cells if not math.isnan(r["peak_mem_mb"])]
+            memory = [(r["length"], max(r["peak_mem_mb"], 1e-2)) for r in cells
+                      if not math.isnan(float(r["peak_mem_mb"]))]
             if memory:
                 memory_axis.plot(*zip(*memory), **style)
+            entries.setdefault(family(name), []).append((line, name if len(modes) == 1 else f"{name} ({mode})"))
     for axis, ylabel in ((time_axis, "time (ms / iteration, median)"), (memory_axis, "peak memory (MB)")):
         axis.set_xscale("log", base=2)
         axis.set_yscale("log")
         axis.set_xlabel("sequence length L")
         axis.set_ylabel(ylabel)
         axis.grid(True, which="both", alpha=0.3)
-    handles, labels = time_axis.get_legend_handles_labels()
+    handles, labels = [], []
+    for fam in [f for f in FAMILY_COLOURS if f in entries]:
+        handles.append(Line2D([], [], linestyle="none"))  # a heading: the family's name, no line
+        labels.append(f"{fam}:")
+        for line, label in entries[fam]:
+            handles.append(line)
+            labels.append(label)
     if handles:
-        figure.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+        legend = figure.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8,
+                               ncol=2 if len(handles) > 30 else 1, handlelength=3)
+        for text, label in zip(legend.get_texts(), labels):
+            if label.endswith(":"):
+                text.set_fontweight("bold")
     figure.suptitle(title, fontsize=10)
     figure.tight_layout()
-    figure.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(figure)
+    return figure
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """``benchmark_figure`` saved to ``path`` (PNG)."""
+    benchmark_figure(rows, title).savefig(path, dpi=120, bbox_inches="tight")
 
 
 def markdown_table(rows: list[dict[str, Any]], mode: str) -> str:
