@@ -101,3 +101,35 @@ def test_cli_prints_the_key_form_and_exits_1(tmp_path):
     assert out.returncode == 1
     assert "error: attention: 'fnet' cannot be causal (attention.causal=true)" in out.stderr
     assert "AttentionConfigError" not in out.stderr
+
+
+def test_nonfinite_advice_names_loss_and_weight_scale_and_warns_when_already_diverging(tmp_path):
+    """The NaN message points to a checkpoint with its loss and max |w|; a checkpoint saved while the loss was already
+    far above the run's recent median is flagged, and an earlier healthy best.ckpt is offered instead."""
+    import torch
+
+    from longseq.callbacks.nonfinite import resume_advice
+
+    def save(name, step, weight, losses):
+        torch.save({"global_step": step, "state_dict": {"w": torch.tensor([weight, -1.0])},
+                    "callbacks": {"NonFiniteGuard": {"recent_losses": [[i + 1, v] for i, v in enumerate(losses)]}}},
+                   tmp_path / name)
+
+    save("best.ckpt", 20, 3.0, [2.5] * 20)
+    save("last.ckpt", 40, -22648.0, [2.5] * 38 + [9e4, 2.5e6])
+    advice = resume_advice(tmp_path)
+    assert advice.startswith(f"the last finite checkpoint {tmp_path / 'last.ckpt'} (step 40) has loss 2.5e+06 and "
+                             "max |w| 2.265e+04; warning: it was already diverging (its loss is 1e+06 x the median 2.5")
+    assert advice.endswith(f"resume from the best checkpoint instead: {tmp_path / 'best.ckpt'} (step 20) has loss 2.5 "
+                           "and max |w| 3, with a lower optimizer.lr")
+    save("last.ckpt", 40, 3.5, [2.5] * 38 + [2.4, 2.3])
+    assert resume_advice(tmp_path).endswith("(step 40) has loss 2.3 and max |w| 3.5; resume from it with a lower "
+                                            "optimizer.lr")
+
+
+def test_every_checkpoint_carries_the_guards_recent_losses(make_cfg, tmp_path):
+    from longseq.callbacks.nonfinite import checkpoint_health
+
+    train(make_cfg(["trainer.max_steps=3", "test=false"]))
+    info = checkpoint_health(tmp_path / "checkpoints" / "last.ckpt")
+    assert info["step"] == 3 and 0 < info["loss"] < 10 and info["diverging"] is False and info["max_abs_weight"] > 0

@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torchmetrics import Metric
 
+from longseq.callbacks.nonfinite import resume_advice
 from longseq.callbacks.progress import StepProgressBar
 from longseq.report.outcome import records_run_outcome
 from longseq.utils.checkpoint import AtomicCheckpointIO, check_model_matches, read_checkpoint
@@ -198,12 +199,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
                 metrics["ckpt_path"] = ckpt  # type: ignore[assignment]
         return metrics
     except NonFiniteError as exc:
-        last = output_dir / "checkpoints" / "last.ckpt"
-        if last.is_file():
-            step = read_checkpoint(last).get("global_step", "?")
-            exc.kept = f"the last finite checkpoint is {last} (step {step}); resume with a lower optimizer.lr"
-        else:
-            exc.kept = "no checkpoint was written before it"
+        exc.kept = resume_advice(output_dir / "checkpoints")  # its loss and max |w|; warns if already diverging
         raise
     except SIGTERMException:
         # Preempted: InterruptedCheckpoint has written checkpoints/interrupted.ckpt; resume from it.
