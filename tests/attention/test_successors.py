@@ -157,3 +157,103 @@ def test_combiner_select_rejects_partitions_without_a_select_variant():
         build("combiner_select", True, partition="routing")
     built = build("combiner_select", True, partition={"name": "axial_horizontal", "horizontal_regions": "split"})
     assert built.inner.name == "combiner_axial_horizontal" and built.inner.horizontal_regions == "split"
+
+
+# -- nsa ------------------------------------------------------------------------------------------------------
+NSA = {"seq_len": L32, "block_size": M, "compress_block": M, "compress_stride": M // 2, "select_blocks": 4,
+       "local_blocks": 2, "window": M}
+
+
+def nsa(causal: bool, **knobs):
+    return build("nsa", causal, **{**NSA, **knobs}).double().eval()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_nsa_selecting_every_block_and_a_window_of_L_are_full_attention(causal):
+    attn = nsa(causal, select_blocks=L32 // M, window=2 * L32)
+    q, k, v = random_qkv(L=L32)
+    _, _, p_sel, p_win = attn.branch_matrices(q, k)
+    full = dense_masked_attention(q, k, torch.eye(L32, dtype=q.dtype).expand(2, 2, L32, L32), full_mask(L32, causal))
+    torch.testing.assert_close(p_sel, full, atol=1e-12, rtol=0)
+    torch.testing.assert_close(p_win, full, atol=1e-12, rtol=0)
+    assert_output_matches_matrix(attn, q, k, v)
+
+
+@pytest.mark.parametrize("knobs", [{}, {"compress": "mlp"}, {"gates": "sigmoid"}, {"compress_stride": 1}],
+                         ids=["mean", "mlp", "sigmoid", "stride1"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_nsa_forward_applies_its_matrix_with_real_choices(causal, knobs):
+    """8 selection blocks, n = 4 (first + 2 local + 1 chosen): ``forward == attention_matrix @ v`` for both
+    compressions (the learned key map keeps the matrix exact) and both gate kinds; rows sum to one iff normalized."""
+    attn = nsa(causal, **knobs)
+    assert attn.matrix_is_exact
+    q, k, v = random_qkv(L=L32)
+    assert_output_matches_matrix(attn, q, k, v)
+    rows = attn.attention_matrix(q, k, v).sum(-1)
+    assert torch.allclose(rows, torch.ones_like(rows)) == (knobs.get("gates", "normalized") == "normalized")
+
+
+def test_nsa_selection_keeps_the_first_the_local_and_the_most_important_blocks():
+    """Causal: importance of block s = compression probabilities of the compression blocks overlapping it; the
+    query keeps block 0, its own and the previous block, and the best remaining one."""
+    attn = nsa(True)
+    q, k, v = random_qkv(B=1, L=L32)
+    _, p_cmp, p_sel, _ = attn.branch_matrices(q, k)
+    qs = attn.scale(q)
+    l, d = M, M // 2
+    C = (L32 - l) // d + 1
+    k_c = torch.stack([k[..., c * d : c * d + l, :].mean(-2) for c in range(C)], -2)  # (1, H, C, D)
+    for h in range(2):
+        for i in (13, 22, 31):
+            usable = [c for c in range(C) if c * d + l - 1 <= i]
+            probs = (qs[0, h, i] @ k_c[0, h, usable].T).softmax(-1)
+            importance = torch.zeros(L32 // M, dtype=q.dtype)
+            for p, c in zip(probs, usable):
+                for s in range(L32 // M):
+                    if c * d < (s + 1) * M and s * M < c * d + l:
+                        importance[s] += p
+            g = i // M
+            free = [s for s in range(1, g - 1)]
+            best = max(free, key=lambda s: importance[s].item())
+            expected = torch.zeros(L32, dtype=torch.bool)
+            for s in (0, g - 1, best):
+                expected[s * M : (s + 1) * M] = True
+            expected[g * M : i + 1] = True
+            assert torch.equal(p_sel[0, h, i] > 0, expected), (h, i)
+            # the compression branch spreads each pooled token's weight evenly over its block
+            pooled = torch.zeros(L32, dtype=q.dtype)
+            for p, c in zip(probs, usable):
+                pooled[c * d : c * d + l] += p / l
+            torch.testing.assert_close(p_cmp[0, h, i], pooled, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("knobs", [{"compress": "mlp"}, {"gates": "sigmoid", "compress_stride": 1}])
+def test_nsa_decodes_its_other_knobs(knobs):
+    check_decoding("nsa", {"compress_block": 8, "compress_stride": 4, "select_blocks": 4, "local_blocks": 2,
+                           "window": 8, **knobs}, prefix=13, L=64, block_size=8)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_nsa_mlp_compression_under_key_padding(causal):
+    attn = nsa(causal, seq_len=16, compress="mlp")
+    q, k, v = random_qkv(B=3, L=16)
+    assert_key_padding_outcomes(attn, q, k, v, padding_masks(), full_support=False)
+
+
+def test_nsa_learned_parts_receive_gradients():
+    attn = nsa(True, compress="mlp").train()
+    q, k, v = random_qkv(B=1, L=L32, requires_grad=True)
+    attn(q, k, v).square().sum().backward()
+    for name, p in attn.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("knobs,message", [
+    ({"select_blocks": 2}, r"attention.select_blocks=2 cannot hold .* choose at least 3"),
+    ({"compress": "conv"}, r"attention.compress='conv' is not valid"),
+    ({"compress_stride": 8}, r"attention.compress_stride=8 exceeds attention.compress_block=4"),
+    ({"gates": "softmax"}, r"attention.gates='softmax' is not valid"),
+])
+def test_nsa_rejects_impossible_knobs_naming_them(knobs, message):
+    with pytest.raises(AttentionConfigError, match=message):
+        nsa(True, **knobs)

@@ -1,0 +1,343 @@
+"""NSA, Native Sparse Attention (DeepSeek 2025, arXiv 2502.11089): three branches per query, mixed by gates.
+
+- **compression**: keys and values of blocks of ``compress_block`` l tokens taken every ``compress_stride`` d tokens
+  are pooled into one token per block; the query attends the pooled tokens (causal: the blocks already complete);
+- **selection**: the sequence is cut into selection blocks of ``block_size`` l' (the grid of ``BlockGrid``); block s
+  is scored by the compression branch's probabilities of the compression blocks that overlap it, and the query
+  attends, at full resolution, the ``select_blocks`` n best blocks (causal: up to itself). The first block and the
+  ``local_blocks`` latest blocks (the query's own and the ones just before it) are always selected and count
+  toward n, as in the open implementations (paper: l = 32, d = 16, l' = 64, n = 16 with 1 + 2 forced);
+- **window**: a sliding window of ``window`` w keys (causal: the last w up to self; bidirectional: ``|i - j| <=
+  w // 2``, the ``local`` pattern).
+
+Each branch is its own softmax; the output is ``g_cmp o_cmp + g_sel o_sel + g_win o_win``. The paper computes the
+gates from the layer input x; the attention contract carries only q, k, v, so here the gates are
+``sigmoid(Linear(D, 3)(q))`` of each head's own (unscaled) query. ``gates=normalized`` (default) divides them by
+their sum over the branches the query has (early causal queries have no complete compression block), so every
+row of ``attention_matrix`` sums to one like every other registered variant; ``gates=sigmoid`` keeps the paper's
+unnormalized gates (``normalized_rows`` False for that build).
+
+Compression (``compress``): ``mean`` pools keys and values by the mean of the block (parameter-free); ``mlp``
+compresses the keys with a small learned MLP of the block's keys plus an intra-block position embedding (the
+paper's phi) and the values by a learned softmax over the block's positions. The values stay a linear pool of the
+original tokens in both modes, and the learned key map only moves logits, so ``attention_matrix`` (the effective
+weights over the original tokens: ``g_cmp p_cmp W_pool + g_sel P_sel + g_win P_win``) stays exact and
+``matrix_is_exact`` holds for both; a learned map of the values would make it approximate.
+
+Key padding (``ops.padding``): compression blocks pool their real tokens only (an MLP sees padded keys as zeros) and
+a block without one is unusable; selection blocks without a real key are never chosen; padded keys get no weight;
+a selection or window branch left without a real key falls back to its unpadded keys (own block, window), an empty
+compression branch drops out of the gates. Decoding (causal): a KV cache plus every compression block's pooled key
+and value, computed once when the block completes; a step recomputes the n best blocks from them, as ``forward``.
+
+Cost O(L (L / d + n l' + w) D): the compression logits are dense over the L / d pooled tokens (as in the paper), the
+selection and window branches gather their keys per query (``ops.block_select``), never an ``L x L`` tensor. No
+FlexAttention path yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from longseq.attention.base import Attention, AttentionConfigError, check_int_knob
+from longseq.attention.ops.block_select import block_table, gathered_attention, score_dtype, scoring, top_blocks
+from longseq.attention.ops.decoding import KVCache
+from longseq.attention.ops.geometry import BlockGrid
+from longseq.attention.ops.masks import NEG_INF
+from longseq.attention.registry import register_attention
+
+COMPRESS_KINDS = ("mean", "mlp")
+GATE_KINDS = ("normalized", "sigmoid")
+
+
+@dataclass
+class NsaState(KVCache):
+    """Decoding state of ``nsa``: the KV cache and the pooled keys and values of the completed compression blocks."""
+
+    k_c: torch.Tensor | None = None
+    v_c: torch.Tensor | None = None
+    n_compressed: int = 0
+
+
+@register_attention("nsa")
+class NativeSparseAttention(BlockGrid, Attention):
+    """NSA, causal or bidirectional.
+
+    Args:
+        block_size: the selection block l'; must divide the sequence length.
+        compress_block: compression block length l; compress_stride: its stride d (default l // 2, at least 1).
+        select_blocks: n, selection blocks per query, the forced first and local blocks included.
+        local_blocks: the query's own block and the ones before it always selected (at least 1: the own block).
+        window: sliding window w.
+        compress: ``mean`` or ``mlp`` (learned key compression; needs ``head_dim``).
+        gates: ``normalized`` (default: rows sum to one) or ``sigmoid`` (the paper's).
+        seq_len, n_heads, head_dim, dropout: see ``Attention`` (dropout on each branch's weights).
+    """
+
+    supports_padding_mask = True
+    supports_decoding = True
+    has_parameters = True
+
+    def __init__(self, *, causal: bool, block_size: int, compress_block: int = 32, compress_stride: int | None = None,
+                 select_blocks: int = 16, local_blocks: int = 2, window: int = 512, compress: str = "mean",
+                 gates: str = "normalized", **base) -> None:
+        super().__init__(causal=causal, block_size=block_size, **base)
+        self.compress_block = check_int_knob(compress_block, "attention.compress_block")
+        stride = max(self.compress_block // 2, 1) if compress_stride is None else compress_stride
+        self.compress_stride = check_int_knob(stride, "attention.compress_stride")
+        if self.compress_stride > self.compress_block:
+            raise AttentionConfigError(
+                f"attention.compress_stride={stride} exceeds attention.compress_block={compress_block}: tokens "
+                "between blocks would be in no compression block; choose a stride <= the block length")
+        self.local_blocks = check_int_knob(local_blocks, "attention.local_blocks")
+        self.select_blocks = check_int_knob(select_blocks, "attention.select_blocks")
+        if self.select_blocks < 1 + self.local_blocks:
+            raise AttentionConfigError(
+                f"attention.select_blocks={select_blocks} cannot hold the first block and attention.local_blocks="
+                f"{local_blocks} local blocks that are always selected; choose at least {1 + self.local_blocks}")
+        self.window = check_int_knob(window, "attention.window")
+        if compress not in COMPRESS_KINDS:
+            raise AttentionConfigError(f"attention.compress={compress!r} is not valid; choose one of {COMPRESS_KINDS}")
+        if gates not in GATE_KINDS:
+            raise AttentionConfigError(f"attention.gates={gates!r} is not valid; choose one of {GATE_KINDS}")
+        if self.head_dim is None:
+            raise AttentionConfigError("attention 'nsa' needs head_dim (set by the model) for its query gates")
+        self.compress, self.gates = compress, gates
+        self.normalized_rows = gates == "normalized"
+        D, l = self.head_dim, self.compress_block
+        self.gate = nn.Linear(D, 3)
+        if compress == "mlp":
+            self.position = nn.Parameter(torch.zeros(l, D))  # intra-block position embedding of the keys
+            self.key_mlp = nn.Sequential(nn.Linear(l * D, D), nn.GELU(), nn.Linear(D, D))
+            self.value_logits = nn.Parameter(torch.zeros(l))  # the values' learned pool over positions
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, block_size={self.block_size}, compress_block={self.compress_block}, "
+                f"compress_stride={self.compress_stride}, select_blocks={self.select_blocks}, "
+                f"local_blocks={self.local_blocks}, window={self.window}, compress={self.compress}, gates={self.gates}")
+
+    # -- the pieces forward, the dense reference and decoding share ----------------------------------------------
+    def n_compressed(self, length: int) -> int:
+        """Compression blocks of a length-``length`` sequence (complete blocks only)."""
+        l, d = self.compress_block, self.compress_stride
+        return 0 if length < l else (length - l) // d + 1
+
+    def pool_weights(self, real: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+        """Value pooling weights ``(B|1, 1, C|1, l)`` over each compression block's positions, summing to one over
+        its real members (``real`` ``(B, 1, C, l)`` bool or None); an empty block gets zeros (unusable)."""
+        l = self.compress_block
+        logits = self.value_logits.to(like.dtype) if self.compress == "mlp" else like.new_zeros(l)
+        logits = logits.view(1, 1, 1, l)
+        if real is not None:
+            logits = logits.masked_fill(~real, NEG_INF)
+            return logits.softmax(-1).nan_to_num(0.0)
+        return logits.softmax(-1)
+
+    def compress_blocks(self, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                        real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pooled keys and values ``(B, H, C, D)`` of compression blocks ``(B, H, C, l, D)``."""
+        weights = self.pool_weights(real, v_blocks)
+        v_c = (weights.unsqueeze(-2).to(v_blocks.dtype) @ v_blocks).squeeze(-2)
+        if self.compress == "mean":
+            return (weights.unsqueeze(-2).to(k_blocks.dtype) @ k_blocks).squeeze(-2), v_c
+        if real is not None:
+            k_blocks = k_blocks * real.unsqueeze(-1).to(k_blocks.dtype)
+        return self.map_keys(k_blocks), v_c
+
+    def map_keys(self, k_blocks: torch.Tensor) -> torch.Tensor:
+        """The learned key compression (``compress=mlp``): ``(..., l, D)`` block keys -> ``(..., D)``."""
+        x = (k_blocks.to(self.position.dtype) + self.position).flatten(-2)
+        return self.key_mlp(x).to(k_blocks.dtype)
+
+    def gate_values(self, q: torch.Tensor, has_compressed: torch.Tensor) -> torch.Tensor:
+        """Gates ``(B, H, T, 3)`` (compression, selection, window) from unscaled ``q`` ``(B, H, T, D)``;
+        ``has_compressed`` ``(B|1, 1|H, T, 1)`` bool: the query has a usable compression block."""
+        gates = torch.sigmoid(self.gate(q.to(self.gate.weight.dtype))).to(q.dtype)  # bf16 q, fp32 module
+        gates = gates * torch.cat([has_compressed.to(gates.dtype).expand_as(gates[..., :1]), torch.ones_like(gates[..., 1:])], -1)
+        return gates / gates.sum(-1, keepdim=True) if self.gates == "normalized" else gates
+
+    def compressed_allowed(self, positions: torch.Tensor, n_blocks: int) -> torch.Tensor:
+        """``(T, C)`` bool: the query at each position may use compression block c (causal: block complete)."""
+        if not self.causal:
+            return torch.ones(positions.numel(), n_blocks, dtype=torch.bool, device=positions.device)
+        ends = torch.arange(n_blocks, device=positions.device) * self.compress_stride + self.compress_block - 1
+        return ends.view(1, -1) <= positions.view(-1, 1)
+
+    def overlap(self, n_blocks: int, n_select: int, device) -> torch.Tensor:
+        """``(C, S)`` float: compression block c overlaps selection block s."""
+        start = torch.arange(n_blocks, device=device) * self.compress_stride
+        s = torch.arange(n_select, device=device) * self.block_size
+        return ((start.view(-1, 1) < s.view(1, -1) + self.block_size)
+                & (s.view(1, -1) < start.view(-1, 1) + self.compress_block)).float()
+
+    def choose(self, qs, k_c, compressed_ok, positions, n_select, occupied=None):
+        """The selection rule: importance of each selection block = the compression probabilities of the blocks
+        overlapping it (fp32 scores, autocast off); forced = block 0 and the ``local_blocks`` latest; top n.
+
+        qs ``(B, H, T, D)``, k_c ``(B, H, C, D)``, compressed_ok ``(B|1, 1, T, C)``, positions ``(T,)``;
+        ``occupied`` ``(B, 1, 1, S)`` (blocks with a real key) or None. Returns ``(blocks, ok)`` ``(B, H, T, n)``."""
+        with scoring(qs):
+            dtype = score_dtype(qs)
+            logits = (qs.to(dtype) @ k_c.to(dtype).transpose(-1, -2)).masked_fill(~compressed_ok, NEG_INF)
+            probs = logits.softmax(-1).nan_to_num(0.0)  # a query without a compression block: all zero
+            importance = probs @ self.overlap(k_c.shape[-2], n_select, qs.device).to(dtype)
+        own = positions // self.block_size
+        s = torch.arange(n_select, device=qs.device)
+        choosable = (s.view(1, -1) <= own.view(-1, 1)) if self.causal else torch.ones(
+            own.numel(), n_select, dtype=torch.bool, device=qs.device)
+        forced = (s.view(1, -1) == 0) | ((s.view(1, -1) <= own.view(-1, 1))
+                                          & (s.view(1, -1) > own.view(-1, 1) - self.local_blocks))
+        if occupied is not None:
+            choosable = choosable & occupied
+        score = importance.masked_fill(~choosable, NEG_INF).masked_fill(forced & choosable, float("inf"))
+        return top_blocks(score, self.select_blocks)
+
+    def window_table(self, positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(T, W)`` key positions of each query's window and which exist (``0 <= j < length``)."""
+        if self.causal:
+            width = min(self.window, length)
+            idx = positions.view(-1, 1) - width + 1 + torch.arange(width, device=positions.device)
+        else:
+            half = min(self.window // 2, length - 1)
+            idx = positions.view(-1, 1) + torch.arange(-half, half + 1, device=positions.device)
+        valid = (idx >= 0) & (idx < length)
+        return idx.clamp(0, length - 1), valid
+
+    # -- the contract ------------------------------------------------------------------------------------------
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, H, L, D) unscaled q, k, v -> (B, H, L, Dv); ``key_padding_mask`` (B, L) bool, True = padded key."""
+        B, H, L, _ = q.shape
+        grid = self.grid(L)
+        S, m = grid.n_rows, grid.n_cols
+        qs = self.scale(q)
+        pos = torch.arange(L, device=q.device)
+        drop = self.dropout if self.training else 0.0
+        real = None if key_padding_mask is None else ~key_padding_mask.to(device=q.device, dtype=torch.bool)
+        b_index = torch.arange(B, device=q.device).view(B, 1, 1, 1)
+
+        # compression: blocks of l every d tokens, pooled; one dense softmax over the L / d pooled tokens
+        C, l, d = self.n_compressed(L), self.compress_block, self.compress_stride
+        blocks = lambda x: x.unfold(2, l, d).transpose(-1, -2)  # noqa: E731  (B, H, C, l, D)
+        real_c = None if real is None else real.unfold(1, l, d).unsqueeze(1)  # (B, 1, C, l)
+        k_c, v_c = self.compress_blocks(blocks(k), blocks(v), real_c) if C else (k[:, :, :0], v[:, :, :0])
+        compressed_ok = self.compressed_allowed(pos, C).view(1, 1, L, C)
+        if real_c is not None:
+            compressed_ok = compressed_ok & real_c.any(-1).unsqueeze(-2)
+        has_compressed = compressed_ok.any(-1, keepdim=True)
+        logits = (qs @ k_c.transpose(-1, -2)).masked_fill(~compressed_ok, NEG_INF)
+        probs = self.weight_dropout(logits.softmax(-1).nan_to_num(0.0))
+        out_c = probs @ v_c
+
+        # selection: the n best selection blocks at full resolution (causal: up to self)
+        occupied = None if real is None else real.view(B, 1, 1, S, m).any(-1)
+        chosen, ok = self.choose(qs, k_c, compressed_ok, pos, S, occupied)
+        idx, valid = block_table(chosen, ok, m)
+        if self.causal:
+            valid = valid & (idx <= pos.view(L, 1))
+        if real is not None:
+            own_idx, own_valid = block_table((pos // m).view(1, 1, L, 1), torch.ones(1, 1, L, 1, dtype=torch.bool,
+                                                                                    device=q.device), m)
+            own_valid = own_valid & ((own_idx <= pos.view(L, 1)) | (not self.causal))
+            valid = valid & real[b_index, idx]
+            keep = valid.any(-1, keepdim=True)
+            idx = torch.where(keep, idx, torch.cat([own_idx.expand(B, H, L, m), idx[..., m:]], -1))
+            valid = torch.where(keep, valid, torch.cat([own_valid.expand(B, H, L, m), valid[..., m:] & False], -1))
+        out_s = gathered_attention(qs, k, v, idx, valid, dropout=drop)
+
+        # window
+        w_idx, w_valid = self.window_table(pos, L)
+        w_idx, w_valid = w_idx.view(1, 1, L, -1), w_valid.view(1, 1, L, -1)
+        if real is not None:
+            unpadded = w_valid
+            w_valid = w_valid & real[b_index, w_idx]
+            w_valid = torch.where(w_valid.any(-1, keepdim=True), w_valid, unpadded)
+        out_w = gathered_attention(qs, k, v, w_idx, w_valid, dropout=drop)
+
+        gates = self.gate_values(q, has_compressed)
+        return gates[..., :1] * out_c + gates[..., 1:2] * out_s + gates[..., 2:] * out_w
+
+    def branch_matrices(self, q: torch.Tensor, k: torch.Tensor, key_padding_mask: torch.Tensor | None = None):
+        """Dense reference (small L): the gates ``(B, H, L, 3)`` and each branch's effective weights over the original
+        tokens ``(B, H, L, L)``: compression ``p_cmp @ W_pool``, selection and window as masked softmaxes."""
+        B, H, L, _ = q.shape
+        grid = self.grid(L)
+        S, m = grid.n_rows, grid.n_cols
+        qs = self.scale(q)
+        pos = torch.arange(L, device=q.device)
+        real = torch.ones(B, L, dtype=torch.bool, device=q.device) if key_padding_mask is None else \
+            ~key_padding_mask.to(device=q.device, dtype=torch.bool)
+        logits = qs @ k.transpose(-1, -2)
+
+        C, l, d = self.n_compressed(L), self.compress_block, self.compress_stride
+        starts = torch.arange(C, device=q.device) * d
+        members = starts.view(C, 1) + torch.arange(l, device=q.device)  # (C, l) positions
+        real_c = real[:, members].unsqueeze(1)  # (B, 1, C, l)
+        pool = torch.zeros(B, 1, C, L, dtype=q.dtype, device=q.device)
+        pool.scatter_(-1, members.view(1, 1, C, l).expand(B, 1, C, l), self.pool_weights(real_c, q).expand(B, 1, C, l))
+        if self.compress == "mean":
+            k_c = pool @ k
+        else:
+            k_blocks = k[:, :, members] * real_c.unsqueeze(-1).to(k.dtype)  # (B, H, C, l, D)
+            k_c = self.map_keys(k_blocks)
+        compressed_ok = self.compressed_allowed(pos, C).view(1, 1, L, C) & real_c.any(-1).unsqueeze(-2)
+        probs = (qs @ k_c.transpose(-1, -2)).masked_fill(~compressed_ok, NEG_INF).softmax(-1).nan_to_num(0.0)
+        p_cmp = probs @ pool
+
+        block = pos // m
+        causal = (pos.view(L, 1) >= pos.view(1, L)) | (not self.causal)
+        chosen, ok = self.choose(qs, k_c, compressed_ok, pos, S, real.view(B, 1, 1, S, m).any(-1))
+        picked = torch.zeros(B, H, L, S, dtype=torch.bool, device=q.device).scatter_(-1, chosen, ok)
+        own = (block.view(L, 1) == block.view(1, L)) & causal
+        allowed = picked[..., block] & causal & real.view(B, 1, 1, L)
+        allowed = torch.where(allowed.any(-1, keepdim=True), allowed, own)
+        p_sel = logits.masked_fill(~allowed, NEG_INF).softmax(-1)
+
+        offset = pos.view(L, 1) - pos.view(1, L)
+        band = ((offset >= 0) & (offset < self.window)) if self.causal else (offset.abs() <= self.window // 2)
+        allowed = band & real.view(B, 1, 1, L)
+        allowed = torch.where(allowed.any(-1, keepdim=True), allowed, band)
+        p_win = logits.masked_fill(~allowed, NEG_INF).softmax(-1)
+        return self.gate_values(q, compressed_ok.any(-1, keepdim=True)), p_cmp, p_sel, p_win
+
+    def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, H, L, L) ``g_cmp p_cmp W_pool + g_sel P_sel + g_win P_win`` from ``branch_matrices`` (dense, small L)."""
+        gates, p_cmp, p_sel, p_win = self.branch_matrices(q, k, key_padding_mask)
+        return gates[..., :1] * p_cmp + gates[..., 1:2] * p_sel + gates[..., 2:] * p_win
+
+    # -- incremental decoding ---------------------------------------------------------------------------------
+    def init_decoding_state(self, batch_size: int, max_len: int, device, dtype) -> NsaState:
+        return NsaState(batch_size, max_len, device, dtype)
+
+    def step(self, state: NsaState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One position: q, k, v ``(B, H, 1, D)`` unscaled -> ``(B, H, 1, D)``; a compression block is pooled once,
+        when its last token arrives."""
+        t, _ = state.append(k, v)
+        B, H = q.shape[:2]
+        l, d, m = self.compress_block, self.compress_stride, self.block_size
+        if state.k_c is None:
+            C = max(self.n_compressed(state.max_len), 1)
+            state.k_c = state.k.new_zeros(B, H, C, state.k.shape[-1])
+            state.v_c = state.v.new_zeros(B, H, C, state.v.shape[-1])
+        if t >= l - 1 and (t - l + 1) % d == 0:  # compression block c = (t - l + 1) / d just completed
+            c, start = state.n_compressed, t - l + 1
+            k_c, v_c = self.compress_blocks(state.k[:, :, None, start : t + 1], state.v[:, :, None, start : t + 1], None)
+            state.k_c[:, :, c : c + 1], state.v_c[:, :, c : c + 1] = k_c, v_c
+            state.n_compressed = c + 1
+        C = state.n_compressed
+        qs = self.scale(q)
+        pos = torch.full((1,), t, dtype=torch.long, device=q.device)
+        k_c, v_c = state.k_c[:, :, :C], state.v_c[:, :, :C]
+        out_c = (qs @ k_c.transpose(-1, -2)).softmax(-1) @ v_c if C else torch.zeros_like(qs[..., :1]) * v[..., :1, :]
+        g = t // m
+        chosen, ok = self.choose(qs, k_c, torch.ones(1, 1, 1, C, dtype=torch.bool, device=q.device), pos, g + 1)
+        idx, valid = block_table(chosen, ok, m)
+        out_s = gathered_attention(qs, state.k, state.v, idx, valid & (idx <= t))
+        w_idx, w_valid = self.window_table(pos, state.max_len)
+        out_w = gathered_attention(qs, state.k, state.v, w_idx.view(1, 1, 1, -1), (w_valid & (w_idx <= t)).view(1, 1, 1, -1))
+        gates = self.gate_values(q, torch.full((1, 1, 1, 1), C > 0, device=q.device))
+        return gates[..., :1] * out_c + gates[..., 1:2] * out_s + gates[..., 2:] * out_w
