@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 ARGS    ?=
 
-.PHONY: help install train test test-slow bench data-lra lint clean clean-logs notebooks
+.PHONY: help install train test test-slow bench gpu-check data-lra lint clean clean-logs notebooks
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -27,6 +27,9 @@ test-slow: $(STAMP)  ## the slow suite: every attention through the train.py CLI
 
 bench: $(STAMP)  ## attention speed/memory benchmark (logs/bench/<timestamp>/)
 	$(PY) -m longseq.bench $(ARGS)
+
+gpu-check: $(STAMP)  ## verify a CUDA machine: correctness of every attention x backend (fp32, bf16), Fig. 3 on the device, bf16-mixed training (MFU), DDP; report in logs/gpu_check/<timestamp>/ (ARGS="dry=true": CPU, tiny sizes)
+	$(PY) -m longseq.bench.gpu $(ARGS)
 
 data-lra: $(STAMP)  ## generate ListOps + Pathfinder-32 locally into data/lra (seeded; NOT the released LRA splits)
 	$(PY) -m longseq.data.lra.prepare --root data/lra --workers 2

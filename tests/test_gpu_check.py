@@ -1,0 +1,132 @@
+"""``python -m longseq.bench.gpu`` (make gpu-check): the dry run on CPU (every stage at tiny sizes, so the pipeline
+cannot rot), its pieces (crossover, peak FLOP/s table, a failing check is reported), and the real run on CUDA."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from conftest import compose_config
+from devices import requires_cuda, requires_multi_gpu
+from hydra.core.global_hydra import GlobalHydra
+
+from longseq.bench import gpu
+
+
+def gpu_check_config(tmp_path, overrides: list[str]):
+    overrides = [f"out_dir={tmp_path}", *overrides]
+    try:
+        cfg = compose_config(overrides, config_name="gpu_check", fast=False)
+    finally:
+        GlobalHydra.instance().clear()
+    return gpu.prepare(cfg, overrides)
+
+
+def read_results(out):
+    return json.loads((out / "results.json").read_text()), (out / "report.md").read_text()
+
+
+def assert_complete(out, ok: bool, cfg) -> None:
+    """The report has every section; every correctness check passed or does not apply (a reason given), every
+    attention passed on at least the explicit backend, every backend of the dispatch was tried; the benchmark,
+    training and DDP produced figures."""
+    results, text = read_results(out)
+    assert ok
+    for section in gpu.SECTIONS:
+        assert section in text
+    rows = results["correctness"]
+    assert rows and all(r["status"] in ("pass", "n/a") for r in rows), [r for r in rows if r["status"] != "pass"]
+    assert all(r["note"] for r in rows if r["status"] == "n/a")
+    names = {r["attention"] for r in rows}
+    assert names == set(gpu._names(cfg.correctness.attentions))
+    assert {r["attention"] for r in rows if r["backend"] == "explicit" and r["status"] == "pass"} == names
+    assert {r["backend"] for r in rows} == set(gpu.backends())
+    assert {r["dtype"] for r in rows} == set(cfg.correctness.dtypes)
+    assert len(results["fig3"]) == len(cfg.fig3.shapes)
+    for table in results["fig3"]:
+        assert all(r["status"] == "ok" and r["ms"] > 0 for r in table)
+        assert all(r["ratio_to_full"] == 1.0 for r in table if r["attention"] == "full")
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in results["training"])
+    assert results["ddp"]["status"] in ("pass", "skipped")
+
+
+def test_dry_run_passes_and_writes_the_report(tmp_path):
+    cfg = gpu_check_config(tmp_path, ["dry=true"])
+    assert cfg.device == "cpu" and cfg.fig3.lengths == [32, 64]  # the dry preset applied
+    out, ok = gpu.run_gpu_check(cfg)
+    assert out.parent == tmp_path
+    assert_complete(out, ok, cfg)
+    results, text = read_results(out)
+    assert results["ddp"]["status"] == "pass" and results["ddp"]["param_spread"] == 0.0
+    assert "MFU omitted" in text  # no peak FLOP/s for a CPU
+    # on CPU the flex backend serves forward only: checked, and said so
+    flex = [r for r in results["correctness"] if r["backend"] == "flex" and r["status"] == "pass"]
+    if "flex" in gpu.backends():
+        assert flex and all(r["note"].startswith("forward only") and math.isnan(r["grad_err"]) for r in flex)
+
+
+def test_a_wrong_result_is_reported_as_a_failure(tmp_path):
+    """A tolerance nothing meets: every check that runs fails, so the command would exit 1."""
+    cfg = gpu_check_config(tmp_path, ["dry=true", "correctness.attentions=[full]", "correctness.dtypes=[float32]",
+                                      "correctness.tolerance.float32.output=0", "correctness.tolerance.float32.grad=0"])
+    rows = gpu.check_correctness(cfg, "cpu")
+    ran = [r for r in rows if r["status"] != "n/a"]
+    assert ran and all(r["status"] == "FAIL" and r["output_err"] > 0 for r in ran)
+
+
+def test_crossover_is_the_length_from_which_the_variant_stays_faster():
+    def row(name, length, ms, status="ok"):
+        return {"attention": name, "length": length, "mode": "fwd_bwd", "ms": ms, "status": status}
+
+    full = [row("full", n, ms) for n, ms in ((256, 1.0), (1024, 4.0), (4096, 16.0), (16384, 64.0))]
+    rows = full + [row("a", 256, 0.5), row("a", 1024, 5.0), row("a", 4096, 15.0), row("a", 16384, 30.0),
+                   row("b", 256, 2.0), row("b", 1024, 8.0), row("b", 4096, 20.0), row("b", 16384, 70.0),
+                   row("c", 256, 2.0), row("c", 1024, 3.0), row("c", 4096, 17.0), row("c", 16384, math.nan, "oom")]
+    rows[3]["status"] = "oom"  # full at 16384 did not fit: a variant that ran there is faster
+    from longseq.bench.report import add_ratios
+
+    add_ratios(rows)
+    assert gpu.crossover(rows, "a", "fwd_bwd") == 4096  # faster at 256 but not at 1024: the crossover is 4096
+    assert gpu.crossover(rows, "b", "fwd_bwd") == 16384  # only where full ran out of memory
+    assert gpu.crossover(rows, "c", "fwd_bwd") is None  # out of memory at the longest length
+
+
+def test_peak_flops_table():
+    assert gpu.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert gpu.peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert gpu.peak_flops("NVIDIA L40S") == 362e12  # not the L4's
+    assert gpu.peak_flops("NVIDIA L4") == 121e12
+    assert gpu.peak_flops("Some Future GPU") is None and gpu.peak_flops(None) is None
+
+
+@pytest.mark.slow
+def test_ddp_with_two_gloo_processes(tmp_path):
+    """The spawned path (one process per rank) that a machine with >= 2 GPUs takes, on CPU with gloo."""
+    cfg = gpu_check_config(tmp_path, ["dry=true", "ddp.cpu_processes=2"])
+    result = gpu.run_ddp(cfg, "cpu", tmp_path)
+    assert result["status"] == "pass" and result["world_size"] == 2 and result["param_spread"] == 0.0
+
+
+@requires_cuda
+def test_gpu_check_on_cuda(tmp_path):
+    """The real command on the device at reduced sizes: every attention and backend in fp32 and bf16, forward and
+    backward (flex gradients from FlexAttention's backward), the benchmark, bf16-mixed training with MFU."""
+    cfg = gpu_check_config(tmp_path, ["device=cuda", "fig3.lengths=[256,1024]", "fig3.repeats=2",
+                                      "train.n_layers=1", "train.d_model=64", "train.n_heads=2", "train.steps=2",
+                                      "ddp.steps=1"])
+    out, ok = gpu.run_gpu_check(cfg)
+    assert_complete(out, ok, cfg)
+    results, _ = read_results(out)
+    flex = [r for r in results["correctness"] if r["backend"] == "flex" and r["status"] == "pass"]
+    if "flex" in gpu.backends():
+        assert flex and all(not math.isnan(r["grad_err"]) for r in flex)  # backward checked on the device
+    assert all(r["peak_mem_mb"] > 0 for r in results["training"])
+
+
+@requires_multi_gpu
+def test_ddp_over_every_gpu(tmp_path):
+    cfg = gpu_check_config(tmp_path, ["device=cuda", "train.n_layers=1", "train.d_model=64", "train.n_heads=2",
+                                      "train.seq_len=1024", "ddp.steps=2"])
+    result = gpu.run_ddp(cfg, "cuda", tmp_path)
+    assert result["status"] == "pass" and result["world_size"] >= 2 and result["backend"] == "nccl"
