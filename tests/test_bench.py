@@ -48,7 +48,8 @@ def only_run_dir(out_dir: Path) -> Path:
 def test_cli_quick_preset_covers_every_registered_attention(tmp_path: Path) -> None:
     # isolate=false keeps this fast with many variants registered; the isolated path is tested below.
     command = [sys.executable, "-m", "longseq.bench", "preset=quick", "attentions=all", "lengths=[64,128]",
-               "warmup=1", "repeats=1", "threads=1", "isolate=false", "device=cpu", f"out_dir={tmp_path}"]
+               "warmup=1", "repeats=1", "threads=1", "isolate=false", "device=cpu", f"out_dir={tmp_path}",
+               "tiles.lengths=[128]", "tiles.tile=16"]
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = only_run_dir(tmp_path)
@@ -77,7 +78,15 @@ def test_cli_quick_preset_covers_every_registered_attention(tmp_path: Path) -> N
     assert env["torch_threads"] == 1
     # the markdown table is printed to the console and saved
     assert "| attention | causal | L=64 | L=128 |" in done.stdout
-    assert (run_dir / "results.md").read_text().count("| full |") == 2
+    assert (run_dir / "results.md").read_text().count("| full |") == 3
+
+    # the hardware-independent column: flex tiles visited / causal full's at tiles.lengths, blank without a layout
+    tiles = {(r["attention"], int(r["length"])): r["flex_tiles"] for r in rows if r["mode"] == "fwd"}
+    assert tiles[("full", 128)] == "" and tiles[("full", 64)] == ""
+    assert 0 < float(tiles[("combiner_fixed", 128)]) < 1 and tiles[("combiner_fixed", 64)] == ""
+    tile_rows = read_rows(run_dir / "tiles.csv")
+    assert {r["attention"] for r in tile_rows} == expected
+    assert "flex tiles visited" in done.stdout
 
 
 def test_isolated_cell_measures_time_and_peak_rss() -> None:

@@ -290,3 +290,21 @@ def run_isolated(spec: CellSpec, startup_timeout_s: float = 300.0) -> CellResult
         return CellResult("error", note=f"worker exited with code {code}")
     finally:
         receiver.close()
+
+
+# -- the hardware-independent column: tiles the flex backend's block masks visit ---------------------------
+def flex_tiles(registry_name: str, length: int, kwargs: dict[str, Any], tile: int) -> tuple[float, str]:
+    """Tiles (``tile`` x ``tile``) visited by the flex backend's block masks for one attention at ``length``, divided
+    by causal full attention's (``ops.flex.flex_tiles_visited``; counted from the ``BlockMask``s, nothing runs), and
+    a note: NaN with the reason where the variant has no flex layout or cannot be built."""
+    from longseq.attention import build_attention
+    from longseq.attention.ops.flex import flex_tiles_visited, flex_unsupported_reason
+
+    try:
+        attention = build_attention(registry_name, **kwargs)
+        reason = flex_unsupported_reason(attention)
+        if reason is not None:
+            return math.nan, reason
+        return flex_tiles_visited(attention, length, tile=tile), ""
+    except Exception as error:  # one variant's failure is a note, not a stopped sweep
+        return math.nan, f"{type(error).__name__}: {error}".splitlines()[0]

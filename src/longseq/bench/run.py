@@ -146,6 +146,11 @@ def run_benchmark(cfg: DictConfig, console: Console | None = None) -> Path:
     report.write_json(env, out / "env.json")
     warn_if_busy(console, after, "after the run")
     report.add_ratios(rows)
+    tiles = cfg.get("tiles")
+    tile_rows = flex_tile_rows(names, cfg, console) if tiles and tiles.lengths else []
+    by_key = {(r["attention"], r["length"]): r["flex_tiles"] for r in tile_rows}
+    for row in rows:
+        row["flex_tiles"] = by_key.get((row["attention"], row["length"]), math.nan)
     report.write_csv(rows, out / "results.csv")
     if cfg.plot and rows:
         title = (f"longseq.bench on {env['gpu'] or env['cpu']} ({device}, {env['torch_threads']} threads, "
@@ -157,6 +162,11 @@ def run_benchmark(cfg: DictConfig, console: Console | None = None) -> Path:
     for mode in modes if rows else []:  # lengths=[]: only the sampling / throughput measurements
         markdown.append(f"### {mode}: median ms/iter (ratio to full) / peak MB above inputs\n")
         markdown.append(report.markdown_table(rows, mode) + "\n")
+    if tile_rows:
+        _write_rows(tile_rows, TILE_COLUMNS, out / "tiles.csv")
+        markdown.append(f"### flex tiles visited ÷ causal full attention's ({tiles.tile} x {tiles.tile} tiles, from the "
+                        "BlockMasks; hardware independent)\n")
+        markdown.append(tiles_table(tile_rows) + "\n")
     if cfg.throughput:
         from longseq.bench.throughput import THROUGHPUT_COLUMNS, measure_throughput
 
@@ -178,6 +188,39 @@ def run_benchmark(cfg: DictConfig, console: Console | None = None) -> Path:
     console.out(text, highlight=False)  # raw markdown, never wrapped, so it can be pasted
     console.print(f"wrote {out}/results.csv, plot.png, env.json, results.md")
     return out
+
+
+TILE_COLUMNS = ["attention", "length", "causal", "block_size", "tile", "flex_tiles", "note"]
+
+
+def flex_tile_rows(names: list[str], cfg: DictConfig, console: Console) -> list[dict[str, Any]]:
+    """The hardware-independent column (``tiles``: lengths, tile): per attention and length, the tiles the flex
+    backend's block masks visit divided by causal full attention's (NaN with the reason where a variant has no flex
+    layout). Geometry as in the sweep (``build_spec``)."""
+    tiles = cfg.tiles
+    console.print(f"flex tiles visited (L={list(tiles.lengths)}, tile {tiles.tile}) ...")
+    rows = []
+    for name in names:
+        for length in sorted(int(n) for n in tiles.lengths):
+            spec = build_spec(name, length, causal=bool(cfg.causal), n_heads=cfg.heads, head_dim=cfg.head_dim,
+                              block_size=cfg.block_size, unsupported_causal=cfg.unsupported_causal)
+            value, note = (math.nan, spec.skip_reason) if spec.skip_reason else cells.flex_tiles(
+                spec.registry_name, length, spec.kwargs, int(tiles.tile))
+            rows.append({"attention": name, "length": length, "causal": spec.causal, "block_size": spec.block_size,
+                         "tile": int(tiles.tile), "flex_tiles": value, "note": note or spec.note})
+    return rows
+
+
+def tiles_table(rows: list[dict[str, Any]]) -> str:
+    """One row per attention, one column per length: tiles visited ÷ causal full's, or ``-`` (no flex layout)."""
+    lengths = sorted({r["length"] for r in rows})
+    by_key = {(r["attention"], r["length"]): r for r in rows}
+    lines = ["| attention | causal | " + " | ".join(f"L={n}" for n in lengths) + " |", "|" + "---|" * (len(lengths) + 2)]
+    for name in dict.fromkeys(r["attention"] for r in rows):
+        cells_ = [by_key[(name, n)] for n in lengths]
+        values = ["-" if math.isnan(r["flex_tiles"]) else f"{r['flex_tiles']:.3f}" for r in cells_]
+        lines.append(f"| {name} | {str(cells_[0]['causal']).lower()} | " + " | ".join(values) + " |")
+    return "\n".join(lines)
 
 
 def run_sampling(cfg: DictConfig, device: str, console: Console, out: Path) -> list[str]:
