@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torchmetrics import Metric
 
+from longseq.attention.ops.dispatch import attention_backends, backend_summary
 from longseq.callbacks.nonfinite import resume_advice
 from longseq.callbacks.progress import StepProgressBar
 from longseq.report.outcome import records_run_outcome
@@ -197,6 +198,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
             metrics.update({k: float(v) for k, v in evaluator.callback_metrics.items()})
             if ckpt:
                 metrics["ckpt_path"] = ckpt  # type: ignore[assignment]
+        record_attention_backends(module, loggers, metrics)
         return metrics
     except NonFiniteError as exc:
         exc.kept = resume_advice(output_dir / "checkpoints")  # its loss and max |w|; warns if already diverging
@@ -209,6 +211,17 @@ def train(cfg: DictConfig) -> dict[str, float]:
         raise SystemExit(143) from None
     finally:
         close_loggers()
+
+
+def record_attention_backends(module: L.LightningModule, loggers: list[Logger], metrics: dict) -> None:
+    """Record which backend (``attention.backend``, ``ops.dispatch``) each attention layer ran on: one line in
+    ``metrics`` (``attention/backend``, so in ``metrics.json``) and the per-layer dict in every logger's config."""
+    summary = backend_summary(module)
+    if summary is None:  # nothing ran in this process (e.g. a spawned fit without a final evaluation)
+        return
+    metrics["attention/backend"] = summary
+    for logger in loggers:
+        logger.log_hyperparams({"attention_backend": attention_backends(module)})
 
 
 def reset_metrics(module: L.LightningModule) -> None:

@@ -21,7 +21,8 @@ from helpers import CASES, build, random_qkv
 
 import longseq.attention
 from longseq.attention import ATTENTION_REGISTRY
-from longseq.attention.ops.joint_softmax import LogitGroup, _CausalRowColumnFlash, joint_groups_attention
+from longseq.attention.ops.cpu.grid_flash import _CausalRowColumnFlash
+from longseq.attention.ops.joint_softmax import LogitGroup, joint_groups_attention
 from longseq.attention.ops.prefix_sums import causal_kernel_attention
 from longseq.runner import train
 

@@ -333,6 +333,7 @@ def test_inference_path_equals_training_path(cfg, causal, padded, monkeypatch):
     (``_GridFlash``) run with autograd off, so nothing is kept for backward; with padding
     ``_JointGroupsAttention`` divides the output by the normalizer once and keeps no weights — and equals the
     autograd path and ``attention_matrix @ v`` (fp64)."""
+    import longseq.attention.ops.cpu.grid_flash as grid_flash
     import longseq.attention.ops.joint_softmax as joint
 
     name, extra = cfg
@@ -350,13 +351,13 @@ def test_inference_path_equals_training_path(cfg, causal, padded, monkeypatch):
 
         monkeypatch.setattr(joint._JointGroupsAttention, "forward", staticmethod(spy))
     else:
-        original = joint._GridFlash.apply
+        original = grid_flash._GridFlash.apply
 
         def spy(cls, *args):
             calls.append(torch.is_grad_enabled())
             return original(*args)
 
-        monkeypatch.setattr(joint._GridFlash, "apply", classmethod(spy))
+        monkeypatch.setattr(grid_flash._GridFlash, "apply", classmethod(spy))
     with torch.no_grad():
         inference = attn(q, k, v, key_padding_mask=pad)
     training = attn(q, k, v, key_padding_mask=pad)
@@ -419,7 +420,7 @@ def test_grid_flash_parts_gradcheck():
     """``grid_flash_attention`` on a 3 x 4 grid (fp64): a causal row part, a column part on shifted windows, a masked
     row part on a column-stored operand, a masked column part on a column window — equals one explicit softmax
     over the same keys, and passes gradcheck."""
-    from longseq.attention.ops.joint_softmax import FlashPart, grid_flash_attention
+    from longseq.attention.ops.cpu.grid_flash import FlashPart, grid_flash_attention
 
     n, m, D = 3, 4, 4
     g = torch.Generator().manual_seed(6)
@@ -457,17 +458,15 @@ def test_grid_flash_parts_gradcheck():
 
 @pytest.mark.parametrize("cfg", POOLED_CONFIGS, ids=config_id)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
-def test_fused_path_matches_explicit_path(cfg, causal, monkeypatch):
+def test_fused_path_matches_explicit_path(cfg, causal):
     """The fused flash path (CPU, fp64 here) and the explicit joint softmax give the same outputs and gradients."""
-    import longseq.attention.combiner.pooled_axial as pooled
-
     name, extra = cfg
     attn = make(name, causal, 4, **extra)
     q, k, v = random_qkv(B=2, H=H, L=24, D=D, seed=8, requires_grad=True)
     upstream = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(9))
     results = []
     for fused in (True, False):
-        monkeypatch.setattr(pooled, "grid_flash_applies", lambda *tensors, fused=fused: fused)
+        attn.backend = "cpu_flash" if fused else "explicit"
         out = attn(q, k, v)
         results.append((out, *torch.autograd.grad(out, (q, k, v), upstream)))
     for a, b in zip(*results):

@@ -332,13 +332,14 @@ def test_fixed_runs_the_fused_sdpa_kernel():
     """The joint softmax keeps 4-D SDPA inputs, so the fused CPU kernel (not the math path) runs, both ways."""
     from torch.profiler import ProfilerActivity, profile
 
+    from longseq.attention.ops.cpu.kernels import FLASH_BACKWARD_OP, FLASH_OP
+
     attn = build_attention("combiner_fixed", causal=True, block_size=8)
     q, k, v = random_qkv(B=1, H=2, L=64, D=16, dtype=torch.float32, requires_grad=True)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         attn(q, k, v).sum().backward()
     ops = {event.key for event in prof.key_averages()}
-    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
-    assert "aten::_scaled_dot_product_flash_attention_for_cpu_backward" in ops
+    assert f"aten::{FLASH_OP}" in ops and f"aten::{FLASH_BACKWARD_OP}" in ops  # the CPU engine's private kernels
     assert "aten::_scaled_dot_product_attention_math" not in ops
 
 

@@ -17,15 +17,26 @@ other variants when it is built (``check_padding_support``).
 Incremental decoding (sampling): causal variants with ``supports_decoding`` keep a per-layer state,
 ``new_state`` / ``prefill`` / ``step`` (``ops.decoding``), whose outputs equal ``forward``'s at every position.
 The others raise ``DecodingNotSupported`` from ``new_state`` and sampling falls back to recompute.
+
+Backends (``attention.backend = auto | flex | cpu_flash | explicit``, ``ops.dispatch``): every subclass's
+``forward`` goes through the one dispatch point (wrapped in ``__init_subclass__``): it picks the backend of the call
+(``backend_for``), runs ``flex`` through ``ops.flex`` and otherwise the variant's own ``forward``, which asks
+``backend_for`` whether to take its CPU-engine path (``cpu_flash``, declared by the class attribute
+``cpu_flash``). A backend the variant can never run fails at construction (``check_backend``, called by the
+registry), one the call's conditions rule out fails at the call; both name ``attention.backend`` and the reason.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
 import torch
 from torch import nn
+
+from longseq.attention.ops import dispatch
+from longseq.attention.ops.amp import autocast_dtype
 
 
 class AttentionConfigError(ValueError):
@@ -50,6 +61,8 @@ class Attention(nn.Module):
         n_heads: number of heads H (variants with per-head parameters need it).
         head_dim: per-head width D (variants with learned maps need it).
         dropout: dropout on attention weights during training.
+        backend: ``attention.backend``: ``auto`` (default; ``ops.dispatch.PRIORITY``), ``flex``, ``cpu_flash``
+            or ``explicit`` (the reference paths).
     """
 
     name: str = "?"  # set by the registry
@@ -64,6 +77,8 @@ class Attention(nn.Module):
     # through one (L, L) matrix).
     normalized_rows: bool = True
     matrix_is_exact: bool = True
+    # What the variant's CPU-engine path handles (``ops.dispatch.CpuFlash``); None: it has none (explicit on CPU).
+    cpu_flash: dispatch.CpuFlash | None = None
 
     def __init__(
         self,
@@ -73,8 +88,12 @@ class Attention(nn.Module):
         n_heads: int | None = None,
         head_dim: int | None = None,
         dropout: float = 0.0,
+        backend: str = "auto",
     ) -> None:
         super().__init__()
+        invalid = dispatch.check_backend_name(backend)
+        if invalid is not None:
+            raise AttentionConfigError(invalid)
         if causal and not self.supports_causal:
             raise AttentionConfigError(
                 f"attention '{self.name}' cannot be causal (attention.causal=true); it supports "
@@ -91,6 +110,9 @@ class Attention(nn.Module):
         self.n_heads = n_heads
         self.head_dim = head_dim
         self.dropout = float(dropout)
+        self.backend = backend
+        self.backends_used: dict[str, str] = {}  # backend -> how it was chosen, filled by calls (``ops.dispatch``)
+        self._flex_reason: tuple[str | None] | None = None  # cached by ``check_backend``
 
     # -- capabilities -------------------------------------------------------------------------
     def requires_len_multiple_of(self) -> int:
@@ -118,6 +140,56 @@ class Attention(nn.Module):
                 f"which {task} needs for its padded variable-length inputs; pick an attention that does "
                 "(e.g. attention=full) or a task without padding"
             )
+
+    # -- backends (``ops.dispatch``) ---------------------------------------------------------------
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        forward = cls.__dict__.get("forward")
+        if forward is not None and not getattr(forward, "dispatches", False):
+            cls.forward = _dispatching(forward)
+
+    def cpu_flash_geometry(self, length: int) -> str | None:
+        """Why the CPU-engine path does not fit sequence length ``length`` (None: it does); e.g. a grid of one row."""
+        return None
+
+    def dispatch_variant(self) -> dispatch.Variant:
+        """The static facts the dispatch decides on."""
+        flex = self._flex_reason[0] if self._flex_reason is not None else dispatch.flex_reason(self)
+        return dispatch.Variant(self.name, self.family, self.causal, self.cpu_flash, flex)
+
+    def check_backend(self) -> None:
+        """Fail when ``attention.backend`` names a backend this variant can never run (the registry calls this once
+        the variant is built); caches the flex layout check."""
+        self._flex_reason = (dispatch.flex_reason(self),)
+        if self.backend != "auto":
+            reason = dispatch.static_reason(self.backend, self.dispatch_variant())
+            if reason is not None:
+                raise AttentionConfigError(dispatch.refusal(self.backend, reason))
+
+    def backend_for(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    key_padding_mask: torch.Tensor | None = None, *, record: bool = False) -> str:
+        """The backend that computes this call (``ops.dispatch.choose``) of unscaled ``(B, H, L, D)`` q, k, v.
+
+        Raises ``AttentionConfigError`` when a backend asked for by name cannot run it. ``record``: log the choice
+        (once per run) and remember it in ``backends_used`` (skipped while ``torch.compile`` traces).
+        """
+        facts = dispatch.Facts(
+            device=q.device.type,
+            dtype=autocast_dtype(q) or q.dtype,
+            grad=torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+            key_padding=key_padding_mask is not None,
+            dropout=self.training and self.dropout > 0,
+            value_width=v.shape[-1],
+            head_dim=q.shape[-1],
+            geometry=None if self.cpu_flash is None else self.cpu_flash_geometry(q.shape[-2]),
+        )
+        choice = dispatch.choose(self.backend, self.dispatch_variant(), facts)
+        if choice.backend is None:
+            raise AttentionConfigError(f"attention '{self.name}': {choice.refusal}")
+        if record and not torch.compiler.is_compiling():
+            self.backends_used.setdefault(choice.backend, self.backend)
+            dispatch.log_choice(self.name, self.backend, facts, choice)
+        return choice.backend
 
     # -- helpers ------------------------------------------------------------------------------
     @staticmethod
@@ -180,6 +252,22 @@ class Attention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"name={self.name}, causal={self.causal}"
+
+
+def _dispatching(forward):
+    """``forward`` behind the dispatch point: the call's backend is decided (and recorded) first; ``flex`` runs
+    ``ops.flex``, any other backend the variant's own ``forward`` (which asks ``backend_for`` again where it has a
+    CPU-engine path; the decision is a few comparisons)."""
+
+    @functools.wraps(forward)
+    def dispatched(self, q, k, v, *args, **kwargs):
+        key_padding_mask = kwargs.get("key_padding_mask", args[0] if args else None)
+        if self.backend_for(q, k, v, key_padding_mask, record=True) == "flex":
+            return dispatch.flex_forward(self, q, k, v, key_padding_mask)
+        return forward(self, q, k, v, *args, **kwargs)
+
+    dispatched.dispatches = True
+    return dispatched
 
 
 def divisors(n: int) -> list[int]:

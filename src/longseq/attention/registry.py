@@ -55,6 +55,7 @@ def register_attention(name: str) -> Callable[[type[Attention]], type[Attention]
 
         def factory(**kwargs: Any) -> Attention:
             module = cls(**kwargs)
+            module.check_backend()  # attention.backend names a path this variant has
             if module.seq_len is not None:
                 module.check_length(module.seq_len)
             return module

@@ -23,9 +23,9 @@ The summary key ``k̄(r', c)`` is chosen by ``row_summary``:
 - ``wsum``: ``Σ_c' P_row(r', c)[c'] k(r', c')``, the row keys averaged with the same row weights (TF).
 
 Fast path (no weight dropout): ``v̄`` is one fused SDPA call with rows folded into the head axis;
-the joint softmax never builds the ``(m + n)``-wide logits. On CPU, causal, it is two flash calls
-(own row; column layout for the summaries) merged exactly by their log-sum-exps
-(``ops.joint_softmax._CausalRowColumnFlash``); otherwise ``joint_groups_attention`` keeps both logit blocks in the
+the joint softmax never builds the ``(m + n)``-wide logits. On the ``cpu_flash`` backend (CPU, causal) it is two
+flash calls (own row; column layout for the summaries) merged exactly by their log-sum-exps
+(``ops.cpu.grid_flash.causal_row_column_flash``); otherwise ``joint_groups_attention`` keeps both logit blocks in the
 layout their batched matmul produces and normalizes them with one shared max and sum. Training with
 weight dropout uses the explicit concatenated softmax.
 
@@ -43,14 +43,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from longseq.attention.base import Attention, AttentionConfigError
+from longseq.attention.ops.cpu.grid_flash import causal_row_column_flash
 from longseq.attention.ops.decoding import PartitionDecoder
+from longseq.attention.ops.dispatch import CpuFlash
 from longseq.attention.ops.geometry import BlockGrid, Grid
-from longseq.attention.ops.joint_softmax import (
-    LogitGroup,
-    causal_row_column_flash,
-    flash_row_column_applies,
-    joint_groups_attention,
-)
+from longseq.attention.ops.joint_softmax import LogitGroup, joint_groups_attention
 from longseq.attention.ops.masks import NEG_INF
 from longseq.attention.ops.partition import Partition
 from longseq.attention.registry import register_attention
@@ -139,6 +136,12 @@ class CombinerAxialRowMajor(BlockGrid, PartitionDecoder, Attention):
     # enter a summary and every real key stays reachable (full support). A row without a real key is
     # masked; a padded query with nothing left falls back to its unpadded direct keys.
     supports_padding_mask = True
+    cpu_flash = CpuFlash(causal_only=True)  # the causal joint softmax of ``forward_fused``
+
+    def cpu_flash_geometry(self, length: int) -> str | None:
+        if self.grid(length).n_rows < 2:
+            return f"a single row (L = {length} = attention.block_size) has no row summaries"
+        return None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -148,7 +151,8 @@ class CombinerAxialRowMajor(BlockGrid, PartitionDecoder, Attention):
         grid = Grid.of(L, self.block_size)
         n, m = grid.n_rows, grid.n_cols
         if key_padding_mask is None and not (self.training and self.dropout > 0):
-            return self.forward_fused(to_grid(q, grid), to_grid(k, grid), to_grid(v, grid)).flatten(2, 3)
+            cpu_flash = self.backend_for(q, k, v) == "cpu_flash"
+            return self.forward_fused(to_grid(q, grid), to_grid(k, grid), to_grid(v, grid), cpu_flash).flatten(2, 3)
         qr, kr, vr = to_grid(self.scale(q), grid), to_grid(k, grid), to_grid(v, grid)  # (B,H,n,m,D)
         joint_mask = self.joint_mask(n, m, q.device)  # (n, m, m + n), True = may attend
         row_logits = qr @ kr.transpose(-1, -2)  # (B,H,n,m[c],m[c'])
@@ -184,12 +188,12 @@ class CombinerAxialRowMajor(BlockGrid, PartitionDecoder, Attention):
         summary_out = summary_w.transpose(2, 3).contiguous() @ summary_v.transpose(2, 3).contiguous()
         return (out + summary_out.transpose(2, 3)).flatten(2, 3)
 
-    def forward_fused(self, qr: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor) -> torch.Tensor:
+    def forward_fused(self, qr: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, cpu_flash: bool = False) -> torch.Tensor:
         """Dropout-free fast path on row layouts ``(B, H, n, m, D)`` (q NOT scaled) -> ``(B, H, n, m, D)``.
 
         The unmasked row attention that makes ``v̄`` is one fused SDPA call (rows folded into the
-        head axis, 4-D). The joint softmax is ``_CausalRowColumnFlash`` on CPU when causal (two fused
-        flash calls, the 1/sqrt(D) passed as their ``scale``), else ``joint_groups_attention`` (two groups)
+        head axis, 4-D). The joint softmax is ``causal_row_column_flash`` with ``cpu_flash`` (the CPU engine, causal:
+        two fused flash calls, the 1/sqrt(D) passed as their ``scale``), else ``joint_groups_attention`` (two groups)
         (explicit weights, no concatenation). Neither builds the ``(..., m + n)`` logits.
         """
         B, H, n, m, D = qr.shape
@@ -200,7 +204,7 @@ class CombinerAxialRowMajor(BlockGrid, PartitionDecoder, Attention):
         if self.row_summary == "wsum":
             k_wsum = F.scaled_dot_product_attention(*rows4[:2], rows4[1], scale=scale).view(B, H, n, m, D)
         summary_k = self.summary_keys(summary_v, kr, k_wsum)
-        if self.causal and flash_row_column_applies(qr, vr):
+        if cpu_flash:
             return causal_row_column_flash(qr, kr, vr, summary_k, summary_v)
         qr = self.scale(qr)
         rows, cols = torch.arange(n, device=qr.device), torch.arange(m, device=qr.device)

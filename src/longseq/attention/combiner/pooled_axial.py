@@ -38,10 +38,10 @@ without a real key is masked; a query left with nothing (only a padded one can b
 unpadded direct keys. The padded path uses the same layouts with per-document masks (``(B, 1, ...)``);
 ``attention_matrix`` builds each document's reference from ``Partition.without_padding``.
 
-Fused path (``forward_flash``; CPU, no key padding, no weight dropout, not bf16/fp16 training): every block of
-keys is ONE fused flash call on a window of the grid — own row and the vertical summaries in row layout, own
+Fused path (``forward_flash``; the ``cpu_flash`` backend: CPU, no key padding, no weight dropout, not bf16/fp16
+training): every block of keys is ONE fused flash call on a window of the grid — own row and the vertical summaries in row layout, own
 column and the horizontal summaries in column layout (transposed views: the kernels take any strides) — and the
-blocks are merged exactly by their log-sum-exps (``ops.joint_softmax.grid_flash_attention``; backward = each
+blocks are merged exactly by their log-sum-exps (``ops.cpu.grid_flash.grid_flash_attention``; backward = each
 block's flash backward with the joint output and log-sum-exp). Each region family's inner softmax is one fused
 SDPA over the pooled queries. Nothing of width ``3n + 2m`` is built. An earlier attempt with per-group masked
 flash calls was slower than the explicit softmax; what this one does differently, each measured: no layout copy
@@ -56,9 +56,9 @@ Bidirectional (two threads, full = 11.6 s): 0.16 / 0.09 / 0.06 of full. ``no_gra
 forward kernels (mixture at L=4096, one thread: 124 ms against 386 ms for fwd+bwd; before 189 / 546 ms).
 t(L=65536) / t(L=16384) = 7.5-7.6.
 
-Explicit path (key padding, weight dropout in training, bf16/fp16 training — the CPU flash backward runs about
-twice as long in bf16 as in fp32 while bf16 speeds up batched matmuls — a value width other than D, non-CPU
-devices): row-layout ``(B, H, n, m, ·)`` and column-layout ``(B, H, m, n, ·)`` logits from batched matmuls, each
+Explicit path (the ``explicit`` backend, and ``auto`` under key padding, weight dropout in training, bf16/fp16
+training — the CPU flash backward runs about twice as long in bf16 as in fp32 while bf16 speeds up batched
+matmuls — a value width other than D, non-CPU devices): row-layout ``(B, H, n, m, ·)`` and column-layout ``(B, H, m, n, ·)`` logits from batched matmuls, each
 kept in its own layout and normalized by one shared max and sum (``_JointGroupsAttention``, explicit backward) —
 ``O(L (n + m))`` memory, no concatenation. Training with weight dropout concatenates the logits in the row
 layout and runs one softmax.
@@ -74,17 +74,12 @@ import torch.nn.functional as F
 from longseq.attention.base import Attention, AttentionConfigError
 from longseq.attention.combiner.axial import to_grid
 from longseq.attention.combiner.summary import PooledCombiner, RegionSummary
+from longseq.attention.ops.cpu.grid_flash import FlashPart, grid_flash_attention
+from longseq.attention.ops.cpu.memory import FRESH_MAP_BYTES, heads_per_group
+from longseq.attention.ops.dispatch import CpuFlash
 from longseq.attention.ops.geometry import BlockGrid, Grid
-from longseq.attention.ops.joint_softmax import (
-    FlashPart,
-    LogitGroup,
-    grid_flash_applies,
-    grid_flash_attention,
-    joint_groups_attention,
-    with_padding_fallback,
-)
+from longseq.attention.ops.joint_softmax import LogitGroup, joint_groups_attention, with_padding_fallback
 from longseq.attention.ops.masks import NEG_INF, causal_mask
-from longseq.attention.ops.memory import FRESH_MAP_BYTES, heads_per_group
 from longseq.attention.ops.partition import Partition
 from longseq.attention.ops.running_max import maxes_excluding_own, running_maxes
 from longseq.attention.registry import register_attention
@@ -92,7 +87,7 @@ from longseq.attention.registry import register_attention
 VERTICAL, HORIZONTAL = 0, 1
 PLANS = ("joint", "average")
 HORIZONTAL_REGIONS = ("whole", "split")
-# The fused path runs on groups of heads of at most this many bytes per (heads, L, D) tensor (``ops.memory``: a
+# The fused path runs on groups of heads of at most this many bytes per (heads, L, D) tensor (``ops.cpu.memory``: a
 # fresh 32 MiB block page-faults, ~14 ms). Mixture fwd+bwd, L = 16384, 8 heads, one thread: 2.05 s in groups of
 # 8 MiB (2 heads), 2.08 s at 4 MiB, 2.15 s at 16 MiB, 2.36 s with all heads at once.
 HEAD_GROUP_BYTES = FRESH_MAP_BYTES // 4
@@ -114,6 +109,7 @@ class PooledAxialAttention(BlockGrid, PooledCombiner, Attention):
     horizontal_regions: str | None = "split"
     plans = "joint"
     supports_padding_mask = True
+    cpu_flash = CpuFlash(half_precision_training=False)  # ``forward_fused``: no key padding, no weight dropout
 
     def __init__(self, *, causal: bool, block_size: int, summary: str = "max", **common) -> None:
         super().__init__(causal=causal, block_size=block_size, **common)
@@ -335,7 +331,7 @@ class PooledAxialAttention(BlockGrid, PooledCombiner, Attention):
         L = q.shape[-2]
         self.check_length(L)
         grid = Grid.of(L, self.block_size)
-        if key_padding_mask is None and not (self.training and self.dropout > 0) and grid_flash_applies(q, k, v):
+        if self.backend_for(q, k, v, key_padding_mask) == "cpu_flash":
             return self.forward_fused(q, k, v, grid)
         qr, kr, vr = to_grid(self.scale(q), grid), to_grid(k, grid), to_grid(v, grid)
         qc = qr.transpose(2, 3).contiguous()  # column layout (B, H, m, n, D)

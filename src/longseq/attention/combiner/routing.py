@@ -34,8 +34,8 @@ Cost per query: M + S direct logits + K summary logits; memory O(L (M + L/K + K)
 gathered cluster blocks, never L x L (``attention_matrix`` excepted). The clustering is not
 differentiable (ids only); gradients flow through q, k, v of every used logit, pool and value.
 
-Fast path (causal, unpadded, dropout-free, CPU: ``_causal_flash``). The joint softmax is three fused CPU
-flash-attention calls merged exactly by their log-sum-exps (``CausalClusterSlots.attention``: own segment,
+Fast path (the ``cpu_flash`` backend: causal, unpadded, dropout-free, CPU: ``_causal_flash``). The joint softmax is
+three fused CPU flash-attention calls merged exactly by their log-sum-exps (``ops.cpu.cluster_flash``: own segment,
 own cluster in slot order, the K summaries of the query's segment), and each summary's inner softmax over
 R(c, g) is one more (SDPA over the cluster blocks, a broadcast (n - 1, S) mask); the running max pools of
 queries and keys are one stacked ``ops.running_max`` scan. Measured reason, fwd+bwd at B=1 H=8 D=64
@@ -71,12 +71,9 @@ import torch
 import torch.nn.functional as F
 
 from longseq.attention.combiner.summary import RegionSummary
-from longseq.attention.ops.clustering import (
-    CausalClusterSlots,
-    ClusteredAttention,
-    OnlineKMeans,
-    flash_applies,
-)
+from longseq.attention.ops.clustering import CausalClusterSlots, ClusteredAttention, OnlineKMeans
+from longseq.attention.ops.cpu.cluster_flash import cluster_slots_flash
+from longseq.attention.ops.dispatch import CpuFlash
 from longseq.attention.ops.geometry import cluster_order
 from longseq.attention.ops.masks import NEG_INF
 from longseq.attention.ops.partition import Partition
@@ -113,11 +110,13 @@ class CombinerRoutingAttention(ClusteredAttention):
         n_heads: int | None = None,
         head_dim: int | None = None,
         dropout: float = 0.0,
+        backend: str = "auto",
     ) -> None:
         self.check_cluster_knobs(n_clusters, block_size)
         self.n_clusters = n_clusters
         self.block_size = block_size
-        super().__init__(causal=causal, seq_len=seq_len, n_heads=n_heads, head_dim=head_dim, dropout=dropout)
+        super().__init__(causal=causal, seq_len=seq_len, n_heads=n_heads, head_dim=head_dim, dropout=dropout,
+                         backend=backend)
         if seq_len is not None:
             self.check_length(seq_len)
             self.segment_len(seq_len)  # fail at construction, naming the keys
@@ -159,6 +158,7 @@ class CombinerRoutingAttention(ClusteredAttention):
 
     # -- forward (``ClusteredAttention.forward`` dispatches here) --------------------------------
     supports_padding_mask = True
+    cpu_flash = CpuFlash(causal_only=True)  # ``_causal_flash``: no key padding, no weight dropout
 
     def _bidirectional(self, q, k, v, clusters, real=None):
         B, H, L, D = q.shape
@@ -211,7 +211,7 @@ class CombinerRoutingAttention(ClusteredAttention):
         return keys, values, torch.where(mask.any(-1, keepdim=True), mask, own_cluster_only)
 
     def _causal(self, q, k, v, key_clusters, query_routes, real=None):
-        if real is None and flash_applies(self, q, v):
+        if self.backend_for(q, k, v, real) == "cpu_flash":  # ``real`` is not None exactly under key padding
             return self._causal_flash(q, k, v, key_clusters, query_routes)
         B, H, L, D = q.shape
         K, S = self.n_clusters, L // self.n_clusters
@@ -272,7 +272,7 @@ class CombinerRoutingAttention(ClusteredAttention):
         return out + slots.cluster_output(w_cluster, v_blk)
 
     def _causal_flash(self, q, k, v, key_clusters, query_routes):
-        """The unpadded, dropout-free causal forward as fused CPU flash calls (``CausalClusterSlots.attention``):
+        """The unpadded, dropout-free causal forward as fused CPU flash calls (``ops.cpu.cluster_flash``):
         own segment | own cluster in earlier segments | the K summaries of R(c, g), one joint softmax."""
         B, H, L, D = q.shape
         K, M = self.n_clusters, self.segment_len(L)
@@ -281,7 +281,7 @@ class CombinerRoutingAttention(ClusteredAttention):
         q_blk, k_blk, v_blk = self._blocks(order, q, k, v)  # (B, H, K, S, D), q unscaled
         slots = CausalClusterSlots(query_routes, K, M)
         if K == 1 or n == 1:  # no other cluster, or no earlier segment: no summary is used
-            return slots.attention(q, k, v, k_blk, v_blk)
+            return cluster_slots_flash(slots, q, k, v, k_blk, v_blk)
         # summaries of R(c, g), g = 1..n-1: the pools through segment g - 1. Pools are positively homogeneous, so
         # pooling unscaled queries and scaling the pool is exact up to rounding.
         q_pool, k_pool = self._running_pools(self.summary.query_features(q_blk), self.summary.key_features(k_blk), n)
@@ -291,7 +291,7 @@ class CombinerRoutingAttention(ClusteredAttention):
         fold = lambda x: x.reshape(B * H, K, x.shape[3], x.shape[4])  # noqa: E731  clusters in the SDPA heads slot
         v_bar = F.scaled_dot_product_attention(fold(q_bar), fold(k_blk), fold(v_blk), attn_mask=inner_mask, scale=1.0)
         v_bar = v_bar.view(B, H, K, n - 1, D)
-        return slots.attention(q, k, v, k_blk, v_blk, k_bar.transpose(2, 3), v_bar.transpose(2, 3))
+        return cluster_slots_flash(slots, q, k, v, k_blk, v_blk, k_bar.transpose(2, 3), v_bar.transpose(2, 3))
 
     def _running_pools(self, q_features: torch.Tensor, k_features: torch.Tensor, n: int) -> list[torch.Tensor]:
         """Running pools of each cluster's members over its n segment chunks: featurized cluster blocks

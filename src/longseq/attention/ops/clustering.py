@@ -26,11 +26,11 @@ Shared by ``routing`` and ``combiner_routing``: ``ClusteredAttention`` (their co
 segment length, assignment, cluster blocks, forward dispatch, dense causal direct mask) and
 ``CausalClusterSlots`` (the vectorized causal direct keys: own cluster in earlier segments + own segment).
 
-Speed (measured at B=1 H=8 D=64 L=16384 K=M=128, CPU, fwd+bwd): the causal forward without padding or weight
-dropout runs as fused CPU flash-attention calls merged by their log-sum-exps (``CausalClusterSlots.attention``,
-``_ClusterSlotsFlash``); ``routing`` 2.2-2.4 s -> 0.66-0.75 s on one thread. Heads run in groups whose
-temporaries stay under ``TEMPORARY_BYTES`` (glibc maps 32 MiB and larger blocks afresh, ~20 ms of page faults
-each per call); one score matrix serves both assignments; the centroid update sums by ``index_add_`` instead of a
+Speed (measured at B=1 H=8 D=64 L=16384 K=M=128, CPU, fwd+bwd): on the ``cpu_flash`` backend (``ops.dispatch``)
+the causal forward without padding or weight dropout runs as fused CPU flash-attention calls merged by their
+log-sum-exps (``ops.cpu.cluster_flash``); ``routing`` 2.2-2.4 s -> 0.66-0.75 s on one thread. On CPU, heads run in
+groups whose temporaries stay under ``TEMPORARY_BYTES`` (``ops.cpu.memory``: glibc maps 32 MiB and larger blocks
+afresh, ~20 ms of page faults each per call); one score matrix serves both assignments; the centroid update sums by ``index_add_`` instead of a
 (B, H, L, K) one-hot; cluster blocks are row permutations (``_PermuteRows``) whose backward is the inverse one.
 
 Incremental decoding (``ClusteredState``, ``ClusteredAttention.step``) replays the causal forward exactly:
@@ -54,10 +54,10 @@ from torch import nn
 
 from longseq.attention.base import Attention, AttentionConfigError, divisors
 from longseq.attention.ops.amp import autocast_function
+from longseq.attention.ops.cpu.memory import FRESH_MAP_BYTES, heads_per_group
 from longseq.attention.ops.decoding import DecodingState
 from longseq.attention.ops.geometry import check_block_size, cluster_order
 from longseq.attention.ops.masks import NEG_INF, causal_mask
-from longseq.attention.ops.memory import FRESH_MAP_BYTES, heads_per_group
 
 
 def balanced_assignment(scores: torch.Tensor, deferred: torch.Tensor | None = None,
@@ -271,7 +271,7 @@ class ClusteredState(DecodingState):
         self.summary = {}
 
 
-# Head groups keep every temporary below glibc's fresh-mmap size (``ops.memory``; ~20 ms of page faults per
+# Head groups keep every temporary below glibc's fresh-mmap size (``ops.cpu.memory``; ~20 ms of page faults per
 # 32 MiB block measured here).
 TEMPORARY_BYTES = FRESH_MAP_BYTES // 2
 
@@ -529,7 +529,8 @@ class CausalClusterSlots:
     its key cluster in segments < g. Query slots: the first S = L / K queries routed to centroid c take
     slots c*S + rank in it; the rest overflow into bin K*S (no own-cluster keys), as do queries with
     route K (no centroid: padded queries). ``logits`` / ``cluster_output``: the explicit logits (any device,
-    padding, weight dropout); ``attention``: the whole joint softmax as fused CPU flash calls (``flash_applies``).
+    padding, weight dropout); the CPU engine's ``ops.cpu.cluster_flash`` runs the whole joint softmax as fused
+    CPU flash calls from the same slots.
 
     Args:
         query_routes: ``(B, H, L)`` nearest-centroid ids in ``[0, K]``.
@@ -586,136 +587,3 @@ class CausalClusterSlots:
         out_slot = (w_slot.masked_fill(~self.slot_used.unsqueeze(-1), 0.0) @ v_blk).view(B, H, K * S, D)
         out_slot = torch.cat([out_slot, out_slot.new_zeros(B, H, 1, D)], 2)
         return out_slot.gather(2, self.slot.unsqueeze(-1).expand(B, H, L, D))
-
-    # -- fused CPU flash path ------------------------------------------------------------------------
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor,
-                  summary_keys: torch.Tensor | None = None, summary_values: torch.Tensor | None = None) -> torch.Tensor:
-        """The joint softmax of the causal k-means partition from fused CPU flash calls -> ``(B, H, L, D)``.
-
-        q (NOT scaled), k, v ``(B, H, L, D)``; k_blk, v_blk ``(B, H, K, S, D)`` key cluster blocks (as ``logits``).
-        Optional summaries (``combiner_routing``) ``(B, H, n - 1, K, D)``: for every segment g >= 1 the K
-        summary keys and values a query of segment g sees, its own routed cluster's masked (that cluster it sees
-        directly). Dropout-free; see ``flash_applies`` for when it runs and ``_ClusterSlotsFlash`` for how.
-        """
-        B, H, L, D = q.shape
-        K, S = k_blk.shape[2:4]
-        M = self.segment_len
-        device = q.device
-        # flat row indices: slot (b, h, c, s) holds query row (b, h, slot_query); routed query (b, h, i) its slot
-        heads = torch.arange(B * H, device=device).view(B, H, 1)
-        slot_rows = (self.slot_query.view(B, H, K * S) + heads * L).view(-1)
-        query_slot = (torch.where(self.routed, self.slot, 0) + heads * (K * S)).view(-1)
-        slot_segment = torch.where(self.slot_used, self.slot_query // M, 0).view(B * H, K, S)  # 0: no keys
-        own_route = self.slot.div(S, rounding_mode="floor").view(B * H, L // M, M)  # K: overflow, no own cluster
-        tensors = [q, k, v, k_blk, v_blk]
-        if summary_keys is not None:
-            tensors += [summary_keys, summary_values]
-        out = _ClusterSlotsFlash.apply((slot_rows, query_slot, self.routed.view(-1), slot_segment, own_route), M,
-                                       1.0 / math.sqrt(D), *tensors)
-        return out.view(B, H, L, D)
-
-
-def flash_applies(attn: Attention, q: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether ``CausalClusterSlots.attention`` can run: CPU kernels (the ``_for_cpu`` flash ops return the
-    log-sum-exp the merge needs), one head size for q, k and v (tests probe with v = identity), no weight dropout."""
-    return q.device.type == "cpu" and v.shape[-1] == q.shape[-1] and not (attn.training and attn.dropout > 0)
-
-
-def _fold(x: torch.Tensor, block: int) -> torch.Tensor:
-    """(..., D) -> (N, 1, block, D): every run of ``block`` rows one flash "batch" with a single head, so the
-    kernel's (batch, seq, head, D) output and gradient layouts are the input's own row order (no copies)."""
-    return x.reshape(-1, 1, block, x.shape[-1])
-
-
-@autocast_function
-class _ClusterSlotsFlash(torch.autograd.Function):
-    """Causal k-means joint softmax as two or three fused CPU flash-attention calls merged by their log-sum-exps.
-
-    - own segment: every segment one kernel batch ``(BH n, 1, M, D)`` (``_fold``), plain ``is_causal``;
-    - own cluster, earlier segments: queries in slot order, every cluster one batch ``(BH K, 1, S, D)`` against
-      its key cluster block, an additive mask keeping the members of earlier segments (member t lies in segment
-      t // (M / K)); empty slots and slots of segment 0 have no key;
-    - (optional) cluster summaries: queries of segments >= 1 ``(BH, n - 1, M, D)`` against their segment's K
-      summaries, the query's own routed cluster masked.
-    A part whose row has no key gets log-sum-exp -inf (the kernel reports 0 there), so it weighs nothing in the
-    merge. Backward calls each part's flash backward with the JOINT output and log-sum-exp: exactly the joint
-    softmax's gradient restricted to that part (a row without keys there has zero weights, so zero gradient).
-    Same idea as ``joint_softmax._CausalRowColumnFlash``, with the slot gather and the per-query masks of this
-    partition.
-
-    Inputs: ``index`` = (slot_rows (BH*K*S,), query_slot (BH*L,), routed (BH*L,), slot_segment (BH, K, S),
-    own_route (BH, n, M)), ``M``, ``scale``, then q, k, v ``(B, H, L, D)``, k_blk, v_blk ``(B, H, K, S, D)``
-    and optionally summary keys / values ``(B, H, n - 1, K, D)``. Output ``(BH, L, D)`` in position order.
-    """
-
-    @staticmethod
-    def forward(ctx, index, M, scale, q, k, v, k_blk, v_blk, *summaries):
-        slot_rows, query_slot, routed, slot_segment, own_route = index
-        B, H, L, D = q.shape
-        K, S = k_blk.shape[2:4]
-        BH, n = B * H, L // M
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        zero, neg_inf = q.new_zeros(()), q.new_full((), NEG_INF)
-
-        out, lse_seg = flash(_fold(q, M), _fold(k, M), _fold(v, M), 0.0, True, scale=scale)
-        out, lse_seg = out.view(BH, L, D), lse_seg.view(BH, L)  # the own segment holds self: lse finite
-
-        q_slot = _fold(q.reshape(BH * L, D).index_select(0, slot_rows), S)
-        member_segment = torch.arange(S, device=q.device) // (M // K)
-        slot_mask = torch.where(member_segment < slot_segment.view(-1, 1, S, 1), zero, neg_inf)  # (BH*K, 1, S, S)
-        out_slot, lse_slot = flash(q_slot, _fold(k_blk, S), _fold(v_blk, S), 0.0, False, attn_mask=slot_mask,
-                                   scale=scale)
-        lse_slot = lse_slot.view(-1).masked_fill_(slot_segment.view(-1) == 0, NEG_INF)
-        lse_cluster = lse_slot.index_select(0, query_slot).masked_fill_(~routed, NEG_INF).view(BH, L)
-        out_cluster = out_slot.view(-1, D).index_select(0, query_slot).view(BH, L, D)  # overflow rows: weight 0
-        total = torch.logaddexp(lse_seg, lse_cluster)
-        summary_tensors = ()
-        if summaries and n > 1:
-            k_sum, v_sum = (x.reshape(BH, n - 1, K, D) for x in summaries)
-            summary_mask = torch.where(own_route[:, 1:].unsqueeze(-1) == torch.arange(K, device=q.device), neg_inf, zero)
-            q_later = q.reshape(BH, n, M, D)[:, 1:]  # queries of segments >= 1
-            out_sum, lse_sum = flash(q_later, k_sum, v_sum, 0.0, False, attn_mask=summary_mask, scale=scale)
-            lse_sum = lse_sum.reshape(BH, L - M)
-            total[:, M:] = torch.logaddexp(total[:, M:], lse_sum)
-            summary_tensors = (k_sum, v_sum, summary_mask)
-        out.mul_((lse_seg - total).exp_().unsqueeze(-1))
-        out.addcmul_(out_cluster, (lse_cluster - total).exp_().unsqueeze(-1))
-        if summary_tensors:
-            out[:, M:].addcmul_(out_sum.reshape(BH, L - M, D), (lse_sum - total[:, M:]).exp_().unsqueeze(-1))
-        ctx.M, ctx.scale, ctx.summary_shapes = M, scale, [x.shape for x in summaries]
-        ctx.save_for_backward(slot_rows, query_slot, routed, q, k, v, q_slot, k_blk, v_blk, slot_mask, out, total,
-                              *summary_tensors)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        slot_rows, query_slot, routed, q, k, v, q_slot, k_blk, v_blk, slot_mask, out, total, *summary = ctx.saved_tensors
-        M, scale = ctx.M, ctx.scale
-        B, H, L, D = q.shape
-        BH, n, S = B * H, L // M, k_blk.shape[3]
-        flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        grad_out = grad_out.contiguous()
-
-        # own cluster: the joint output, log-sum-exp and incoming gradient in slot order
-        in_slots = [x.reshape(BH * L, -1).index_select(0, slot_rows) for x in (grad_out, out, total.unsqueeze(-1))]
-        grad_slot, grad_k_blk, grad_v_blk = flash_backward(
-            _fold(in_slots[0], S), q_slot, _fold(k_blk, S), _fold(v_blk, S), _fold(in_slots[1], S),
-            in_slots[2].view(-1, 1, S), 0.0, False, attn_mask=slot_mask, scale=scale)
-        grad_q = grad_slot.view(-1, D).index_select(0, query_slot).masked_fill_(~routed.unsqueeze(-1), 0.0)
-
-        grad_seg, grad_k, grad_v = flash_backward(_fold(grad_out, M), _fold(q, M), _fold(k, M), _fold(v, M),
-                                                  _fold(out, M), total.view(-1, 1, M), 0.0, True, scale=scale)
-        grad_q = grad_q.view(BH, n, M, D).add_(grad_seg.view(BH, n, M, D))
-        grad_summaries = ()
-        if summary:
-            k_sum, v_sum, summary_mask = summary
-            later = lambda x: x.reshape(BH, n, M, *x.shape[2:])[:, 1:]  # noqa: E731  rows of segments >= 1
-            grad_later, grad_k_sum, grad_v_sum = flash_backward(
-                later(grad_out), later(q.reshape(BH, L, D)), k_sum, v_sum, later(out), later(total), 0.0, False,
-                attn_mask=summary_mask, scale=scale)
-            grad_q[:, 1:].add_(grad_later)
-            grad_summaries = tuple(g.reshape(shape) for g, shape in zip((grad_k_sum, grad_v_sum), ctx.summary_shapes))
-        elif ctx.summary_shapes:  # a single segment: no summary is used
-            grad_summaries = tuple(k.new_zeros(shape) for shape in ctx.summary_shapes)
-        return (None, None, None, grad_q.view(B, H, L, D), grad_k.view(B, H, L, D), grad_v.view(B, H, L, D),
-                grad_k_blk.view(k_blk.shape), grad_v_blk.view(v_blk.shape), *grad_summaries)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from longseq.attention.ops.cpu.grid_flash import causal_row_column_flash
+from longseq.attention.ops.dispatch import CpuFlash
 from longseq.attention.ops.geometry import BlockGrid
-from longseq.attention.ops.joint_softmax import causal_row_column_flash, flash_row_column_applies
 from longseq.attention.ops.masks import NEG_INF, causal_mask, full_mask, other_blocks_mask
 from longseq.attention.registry import register_attention
 from longseq.attention.sparse.base import SparseAttention
@@ -19,8 +20,16 @@ class AxialAttention(BlockGrid, SparseAttention):
     m = ``block_size`` columns, row-major (p = r*m + c). Causal: intersected with j <= i (own row up to
     self, own column in earlier rows). Row logits (B, H, n, m, m) and column logits (B, H, m, n, n) come
     from batched matmuls in the two layouts and share one softmax per query; self is counted once (in
-    the row part). The length must be a multiple of ``block_size`` (rejected otherwise).
+    the row part). The length must be a multiple of ``block_size`` (rejected otherwise). On the ``cpu_flash``
+    backend (causal, no weight dropout) the joint softmax is two fused CPU flash calls (``ops.cpu.grid_flash``).
     """
+
+    cpu_flash = CpuFlash(causal_only=True, key_padding=True)  # padding: ``SparseAttention``'s extra channel
+
+    def cpu_flash_geometry(self, length: int) -> str | None:
+        if self.grid(length).n_rows < 2:
+            return f"a single row (L = {length} = attention.block_size) has no column part"
+        return None
 
     def __init__(self, *, causal: bool, block_size: int = 8, **base) -> None:
         super().__init__(causal=causal, block_size=block_size, **base)
@@ -35,10 +44,9 @@ class AxialAttention(BlockGrid, SparseAttention):
         B, H, L, D = q.shape
         grid = self.grid(L)
         n, m = grid.n_rows, grid.n_cols
-        if self.causal and not (self.training and self.dropout > 0):
-            qg, kg, vg = (x.reshape(B, H, n, m, x.shape[-1]) for x in (q, k, v))
-            if flash_row_column_applies(qg, vg):  # own row + own column above: two fused flash calls
-                return causal_row_column_flash(qg, kg, vg, kg, vg).reshape(B, H, L, D)
+        if self.backend_for(q, k, v) == "cpu_flash":  # own row + own column above: two fused flash calls
+            qg, kg, vg = (x.reshape(B, H, n, m, D) for x in (q, k, v))
+            return causal_row_column_flash(qg, kg, vg, kg, vg).reshape(B, H, L, D)
         qg, kg, vg = (x.reshape(B, H, n, m, D) for x in (self.scale(q), k, v))
         row_mask, col_mask = self.cached("masks", L, q.device, lambda: self.masks(n, m, q.device))
         row_logits = matmul(qg, kg.transpose(-1, -2)).masked_fill(~row_mask, NEG_INF)  # (B, H, n, m, m)

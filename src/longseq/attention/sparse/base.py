@@ -60,9 +60,9 @@ class SparseAttention(PartitionDecoder, Attention):
     supports_padding_mask = True
 
     def __init_subclass__(cls, **kwargs) -> None:
-        super().__init_subclass__(**kwargs)
-        if "forward" in cls.__dict__:
+        if "forward" in cls.__dict__:  # wrapped before the dispatch point (``Attention``) wraps it: flex gets the mask
             cls.forward = _with_key_padding(cls.__dict__["forward"])
+        super().__init_subclass__(**kwargs)
 
     def sdpa(self, q, k, v, mask=None) -> torch.Tensor:
         """SDPA on already-scaled ``q`` with this module's dropout; ``mask`` bool (True = may attend)."""

@@ -16,9 +16,9 @@ centroids follow an EMA (decay ``ema_decay``) of their members. Queries and keys
   With K = 1 every query is routed and sees all j <= i: full causal attention.
 
 Both forms are one softmax per query over the gathered keys; ``attention_matrix`` writes the same
-weights densely (rows sum to 1, ``forward == P @ v``). The clustering is not differentiable. Causal, on CPU and
-without weight dropout, the softmax is two fused flash calls merged by their log-sum-exps
-(``CausalClusterSlots.attention``, shared with ``combiner_routing``; measured ~3x faster at L = 16384).
+weights densely (rows sum to 1, ``forward == P @ v``). The clustering is not differentiable. Causal, on the
+``cpu_flash`` backend (CPU, no weight dropout), the softmax is two fused flash calls merged by their log-sum-exps
+(``ops.cpu.cluster_flash``, shared with ``combiner_routing``; measured ~3x faster at L = 16384).
 
 Incremental decoding (causal; ``ClusteredAttention.step``, shared with ``combiner_routing``): exact. A step at
 position t routes its key to the nearest centroid (slot from a running per-centroid count) and runs one
@@ -31,12 +31,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from longseq.attention.ops.clustering import (
-    CausalClusterSlots,
-    ClusteredAttention,
-    OnlineKMeans,
-    flash_applies,
-)
+from longseq.attention.ops.clustering import CausalClusterSlots, ClusteredAttention, OnlineKMeans
+from longseq.attention.ops.cpu.cluster_flash import cluster_slots_flash
+from longseq.attention.ops.dispatch import CpuFlash
 from longseq.attention.ops.geometry import cluster_order
 from longseq.attention.ops.masks import NEG_INF
 from longseq.attention.registry import register_attention
@@ -53,6 +50,8 @@ class RoutingAttention(ClusteredAttention):
         ema_decay: centroid EMA decay (training only; Routing Transformer 0.999).
         seed: seeds the centroid initialization.
     """
+
+    cpu_flash = CpuFlash(causal_only=True)  # the causal joint softmax (``ops.cpu.cluster_flash``)
 
     def __init__(
         self, *, causal: bool, n_clusters: int, block_size: int | None = None, ema_decay: float = 0.999,
@@ -90,8 +89,8 @@ class RoutingAttention(ClusteredAttention):
         order, _ = cluster_order(key_clusters, self.n_clusters)
         k_blk, v_blk = self._blocks(order, k, v)  # (B, H, K, S, D)
         slots = CausalClusterSlots(query_routes, self.n_clusters, M)
-        if flash_applies(self, q, v):
-            return slots.attention(q, k, v, k_blk, v_blk)
+        if self.backend_for(q, k, v) == "cpu_flash":
+            return cluster_slots_flash(slots, q, k, v, k_blk, v_blk)
         cluster_logits, segment_logits = slots.logits(self.scale(q), k, k_blk)
 
         # one softmax per query over [own cluster, earlier segments | own segment]

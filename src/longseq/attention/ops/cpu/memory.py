@@ -1,4 +1,4 @@
-"""Sizing the temporaries of the long-sequence CPU kernels for glibc's allocator.
+"""Sizing the temporaries of the long-sequence CPU kernels for glibc's allocator (part of the CPU engine).
 
 glibc's malloc serves a block of 32 MiB or more with a fresh ``mmap`` (its largest dynamic mmap threshold), so
 such a block page-faults on every call: 14-25 ms per 32 MiB measured on this project's CPU, against about 1 ms

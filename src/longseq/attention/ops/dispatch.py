@@ -1,0 +1,245 @@
+"""The one dispatch point of ``attention.backend``: which implementation computes an attention, and why.
+
+The semantics of every variant are written once (its explicit path, ``Partition``, ``pattern``,
+``attention_matrix``); a backend is how they are computed:
+
+- ``explicit``: the reference paths (batched matmuls, SDPA with masks); any device, any condition.
+- ``cpu_flash``: the CPU engine (``ops.cpu``): private CPU flash kernels merged by log-sum-exps, head groups.
+  CPU tensors and one head size for q and v; each variant states what else its path handles (``CpuFlash``).
+- ``flex``: FlexAttention over [keys ; region summaries] with a ``BlockMask`` from the ``Partition``
+  (``ops.flex``): the fused path on CUDA; on CPU forward only (FlexAttention has no CPU backward).
+
+``attention.backend=auto`` takes the first backend of its device's priority list (``PRIORITY``) that applies to the
+call; a backend asked for by name runs or fails with ``AttentionConfigError`` naming ``attention.backend`` and the
+reason: at construction when the variant has no such path (``static_refusal``), else at the call
+(``choose``). ``full`` stays on SDPA (already FlashAttention on CUDA and the fused kernel on CPU): its only backend
+is ``explicit``. The decision takes plain facts (``Facts``, ``Variant``), so every branch is testable without a GPU.
+Each attention logs its choice once per run (per variant, backend and reasons), like xformers' fMHA dispatch,
+and remembers the backends it used (``Attention.backends_used``, collected by ``attention_backends`` into
+``metrics.json`` and the logger config).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "flex", "cpu_flash", "explicit")
+# auto's order per device type; a device not listed runs explicit
+PRIORITY: dict[str, tuple[str, ...]] = {
+    "cuda": ("flex", "explicit"),
+    "cpu": ("cpu_flash", "explicit"),
+}
+OTHER_DEVICES: tuple[str, ...] = ("explicit",)
+# why auto leaves a backend out of a device's list (it can still be asked for by name where it runs)
+LEFT_OUT = {
+    ("cpu", "flex"): "FlexAttention is unfused on CPU (name attention.backend=flex for no-grad inference)",
+    ("cuda", "cpu_flash"): "the CPU engine's kernels run on CPU tensors only",
+}
+HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class CpuFlash:
+    """What a variant's CPU-engine path handles (the class attribute ``cpu_flash``; None: the variant has none).
+
+    Every CPU-engine path needs CPU tensors and one head size for q and v (the fused kernels take one D; tests
+    probe the weights with v = identity). ``causal_only``: the bidirectional build has no such path.
+    ``half_precision_training=False``: bf16/fp16 training runs explicit (the CPU flash backward measured about
+    twice its fp32 time in bf16, slower than explicit batched matmuls that bf16 speeds up).
+    """
+
+    key_padding: bool = False
+    dropout: bool = False
+    half_precision_training: bool = True
+    causal_only: bool = False
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The static facts of one built attention: its registry ``name`` and ``family``, direction, CPU-engine path,
+    and why it has no flex layout (``flex``; None: it has one)."""
+
+    name: str
+    family: str
+    causal: bool
+    cpu_flash: CpuFlash | None
+    flex: str | None
+
+
+@dataclass(frozen=True)
+class Facts:
+    """The facts of one call: device type of the inputs (``"cpu"``, ``"cuda"``, ...), compute dtype (autocast's when
+    active), whether autograd differentiates through it (``grad``), key padding, active weight dropout, the widths
+    of v and q, and ``geometry``: why the variant's CPU-engine path does not fit this length (None: it does)."""
+
+    device: str
+    dtype: torch.dtype
+    grad: bool = False
+    key_padding: bool = False
+    dropout: bool = False
+    value_width: int = 1
+    head_dim: int = 1
+    geometry: str | None = None
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The backend that runs (None when a backend asked for by name cannot: ``refusal`` says why, naming
+    ``attention.backend``) and, for every other backend, why it does not."""
+
+    backend: str | None
+    rejected: tuple[tuple[str, str], ...] = ()
+    refusal: str | None = None
+
+
+def check_backend_name(backend) -> str | None:
+    """The validation of the knob: None when ``backend`` is one of ``BACKENDS``, else the error message."""
+    if backend not in BACKENDS:
+        return f"attention.backend must be one of {', '.join(BACKENDS)}; got {backend!r}"
+    return None
+
+
+def static_reason(backend: str, variant: Variant) -> str | None:
+    """Why ``variant`` can never run on ``backend`` (known at construction), or None."""
+    if backend == "cpu_flash":
+        if variant.cpu_flash is None:
+            return f"attention '{variant.name}' has no cpu_flash path (the CPU engine covers it only through explicit)"
+        if variant.cpu_flash.causal_only and not variant.causal:
+            return f"attention '{variant.name}' has a cpu_flash path for causal use only (attention.causal=false)"
+    if backend == "flex":
+        if variant.family == "dense":
+            return f"attention '{variant.name}' stays on SDPA (fused already): its backend is explicit"
+        return variant.flex
+    return None
+
+
+def call_reason(backend: str, variant: Variant, facts: Facts) -> str | None:
+    """Why ``backend`` cannot run this call of ``variant`` (None: it can)."""
+    reason = static_reason(backend, variant)
+    if reason is not None or backend == "explicit":
+        return reason
+    if backend == "cpu_flash":
+        path = variant.cpu_flash
+        if facts.device != "cpu":
+            return f"the CPU engine runs on CPU tensors only, got {facts.device}"
+        if facts.value_width != facts.head_dim:
+            return f"v's width {facts.value_width} differs from q's {facts.head_dim} (the fused kernels take one)"
+        if facts.key_padding and not path.key_padding:
+            return "key padding (this variant's CPU-engine path has no padding masks)"
+        if facts.dropout and not path.dropout:
+            return "weight dropout in training (this variant's CPU-engine path has none)"
+        if facts.grad and facts.dtype in HALF and not path.half_precision_training:
+            return f"{facts.dtype} training (the CPU flash backward is slower than explicit in half precision)"
+        return facts.geometry
+    # flex
+    if facts.device not in ("cpu", "cuda"):
+        return f"FlexAttention runs on CPU and CUDA, got {facts.device}"
+    if facts.device == "cpu" and facts.grad:
+        return "FlexAttention has no CPU backward (an input requires grad)"
+    if facts.dropout:
+        return "weight dropout in training (FlexAttention has no attention-weight dropout)"
+    return None
+
+
+def choose(requested: str, variant: Variant, facts: Facts) -> Choice:
+    """The backend of one call: ``requested`` itself when named (or a refusal), else ``auto``'s first that applies."""
+    if requested != "auto":
+        reason = call_reason(requested, variant, facts)
+        if reason is not None:
+            return Choice(None, refusal=refusal(requested, reason))
+        return Choice(requested)
+    priority = PRIORITY.get(facts.device, OTHER_DEVICES)
+    chosen, rejected = None, []
+    for backend in priority:
+        reason = call_reason(backend, variant, facts)
+        if chosen is None and reason is None:
+            chosen = backend
+        elif chosen is None:
+            rejected.append((backend, reason))
+        else:
+            rejected.append((backend, f"lower in auto's {facts.device} priority ({', '.join(priority)})"))
+    for backend in BACKENDS[1:]:
+        if backend not in priority:
+            devices = ", ".join(d for d, order in PRIORITY.items() if backend in order)
+            why = LEFT_OUT.get((facts.device, backend), f"auto uses it on {devices} only")
+            rejected.append((backend, f"not in auto's {facts.device} priority: {why}"))
+    return Choice(chosen, tuple(rejected))
+
+
+def refusal(backend: str, reason: str) -> str:
+    """The error message of a backend asked for by name that cannot run (``AttentionConfigError``)."""
+    return (f"attention.backend={backend} cannot run here: {reason}; use attention.backend=auto (picks a backend "
+            f"that applies) or explicit (valid: {', '.join(BACKENDS)})")
+
+
+# -- FlexAttention (``ops.flex``), imported when first needed -----------------------------------------------
+_FLEX: list = []  # the module or the reason it is missing, found once (a failed import searches the path again)
+
+
+def _flex_module():
+    """``longseq.attention.ops.flex``, or the reason it is not available."""
+    if not _FLEX:
+        try:
+            from longseq.attention.ops import flex
+        except ImportError as error:
+            flex = f"flex is not available: no layout ({error})"
+        _FLEX.append(flex)
+    return _FLEX[0]
+
+
+def flex_reason(attn) -> str | None:
+    """Why ``attn`` has no flex layout (None: it has one); static, from ``ops.flex.flex_unsupported_reason``."""
+    module = _flex_module()
+    return module if isinstance(module, str) else module.flex_unsupported_reason(attn)
+
+
+def flex_forward(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``attn``'s forward on the flex backend: ``(B, H, L, D)`` unscaled q, k, v -> ``(B, H, L, D)``."""
+    return _flex_module().flex_attention_forward(attn, q, k, v, key_padding_mask=key_padding_mask)
+
+
+# -- logging and recording ---------------------------------------------------------------------------------
+_LOGGED: set[tuple] = set()
+
+
+def log_choice(name: str, requested: str, facts: Facts, choice: Choice) -> None:
+    """Log which backend an attention uses and why the others were not, once per run for each variant, request,
+    backend and set of reasons."""
+    key = (name, requested, choice.backend, choice.rejected)
+    if key in _LOGGED:
+        return
+    _LOGGED.add(key)
+    how = "asked for by name" if requested != "auto" else "auto's first that applies"
+    lines = [f"attention '{name}' runs on backend {choice.backend} (attention.backend={requested}: {how}; "
+             f"{facts.device}, {str(facts.dtype).removeprefix('torch.')}, {'training' if facts.grad else 'no grad'})"]
+    lines += [f"  {backend} not used because: {reason}" for backend, reason in choice.rejected]
+    log.info("\n".join(lines))
+
+
+def attention_backends(model: torch.nn.Module) -> dict[str, str]:
+    """Every attention layer of ``model`` that has run -> the backends it used (``"cpu_flash"``, or several joined
+    by ``+``, e.g. ``cpu_flash+explicit`` when training and evaluation differ)."""
+    used = {}
+    for name, module in model.named_modules():
+        backends = getattr(module, "backends_used", None)
+        if backends:
+            used[name] = "+".join(sorted(backends))
+    return used
+
+
+def backend_summary(model: torch.nn.Module) -> str | None:
+    """One line for a run's record: the backend every attention layer used, or ``layer=backend`` pairs when they
+    differ; None when no attention has run."""
+    used = attention_backends(model)
+    if not used:
+        return None
+    values = set(used.values())
+    if len(values) == 1:
+        return values.pop()
+    return ", ".join(f"{name}={backend}" for name, backend in used.items())

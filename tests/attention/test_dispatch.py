@@ -1,0 +1,145 @@
+"""``attention.backend`` (``ops.dispatch``): validated, decided from plain facts, recorded; ``cpu_flash`` equals
+``explicit`` for every variant with a CPU-engine path (parametrized over the registry by ``cpu_flash``, not names)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+
+import pytest
+import torch
+from helpers import CASES, L, build, padding_masks, random_qkv
+
+from longseq.attention import ATTENTION_REGISTRY, AttentionConfigError
+from longseq.attention.ops import dispatch
+from longseq.attention.ops.dispatch import BACKENDS, CpuFlash, Facts, Variant, choose
+
+CPU_FLASH = [(name, causal) for name, causal in CASES if dispatch.static_reason(
+    "cpu_flash", Variant(name, "?", causal, ATTENTION_REGISTRY[name].cls.cpu_flash, None)) is None]
+
+
+def test_every_grid_and_cluster_fast_path_is_a_cpu_flash_backend():
+    """The variants the CPU engine speeds up (the four former ``*_applies`` gates) declare their path."""
+    assert {name for name, _ in CPU_FLASH} >= {"axial", "combiner_axial", "combiner_fixed", "combiner_axial_vertical",
+                                              "combiner_axial_horizontal", "combiner_mixture", "routing",
+                                              "combiner_routing"}
+
+
+@pytest.mark.parametrize("name,causal", CASES)
+def test_every_attention_accepts_the_backend_knob_and_validates_it(name, causal):
+    assert build(name, causal, backend="explicit").backend == "explicit"
+    with pytest.raises(AttentionConfigError, match=r"attention.backend must be one of auto, flex, cpu_flash, "
+                                                   r"explicit; got 'fast'"):
+        build(name, causal, backend="fast")
+
+
+@pytest.mark.parametrize("name,causal", [c for c in CASES if c not in CPU_FLASH])
+def test_cpu_flash_by_name_fails_at_construction_without_a_path(name, causal):
+    with pytest.raises(AttentionConfigError, match=r"attention.backend=cpu_flash cannot run here: .*cpu_flash path"):
+        build(name, causal, backend="cpu_flash")
+
+
+@pytest.mark.parametrize("name,causal", CPU_FLASH)
+def test_cpu_flash_equals_explicit(name, causal):
+    """Forward and gradients of the CPU engine equal the reference paths (fp64); one module's weights and centroids
+    (eval mode: the k-means centroids stay put), gradients into q, k and v."""
+    torch.manual_seed(0)
+    L_two_rows = 2 * L  # at least two rows / segments on every grid
+    module = build(name, causal, seq_len=L_two_rows).double().eval()
+    outs, grads = [], []
+    for backend in ("cpu_flash", "explicit"):
+        attn = copy.deepcopy(module)
+        attn.backend = backend
+        q, k, v = random_qkv(B=2, H=2, L=L_two_rows, D=8, requires_grad=True)
+        out = attn(q, k, v)
+        out.backward(torch.cos(torch.arange(out.numel(), dtype=out.dtype)).view_as(out))
+        assert attn.backends_used.keys() == {backend}
+        outs.append(out.detach())
+        grads.append([x.grad for x in (q, k, v)])
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-10, rtol=0)
+    for fast, reference in zip(*grads):
+        torch.testing.assert_close(fast, reference, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("name,causal", [c for c in CPU_FLASH if ATTENTION_REGISTRY[c[0]].cls.supports_padding_mask
+                                         and not ATTENTION_REGISTRY[c[0]].cls.cpu_flash.key_padding])
+def test_cpu_flash_by_name_refuses_key_padding_at_the_call(name, causal):
+    """A condition known only at the call (key padding) fails there, naming the knob; auto runs explicit."""
+    attn = build(name, causal, backend="cpu_flash").double()
+    q, k, v = random_qkv(B=3, L=L)
+    with pytest.raises(AttentionConfigError, match=rf"attention '{name}': attention.backend=cpu_flash cannot run "
+                                                   r"here: key padding"):
+        attn(q, k, v, key_padding_mask=padding_masks())
+    auto = build(name, causal).double()
+    auto(q, k, v, key_padding_mask=padding_masks())
+    assert auto.backends_used.keys() == {"explicit"}
+
+
+# -- the decision, from plain facts (no GPU needed for the CUDA branch) ----------------------------------------
+GRID = Variant("combiner_x", "combiner", True, CpuFlash(half_precision_training=False), None)
+NO_FLEX = Variant("combiner_x", "combiner", True, CpuFlash(), "no flex layout for this partition")
+FULL = Variant("full", "dense", True, None, None)
+
+
+def facts(device="cpu", **changes):
+    return Facts(**{"device": device, "dtype": torch.float32, "value_width": 8, "head_dim": 8, **changes})
+
+
+def test_auto_takes_each_devices_first_backend_that_applies():
+    assert choose("auto", GRID, facts("cpu", grad=True)).backend == "cpu_flash"
+    assert choose("auto", GRID, facts("cuda", grad=True)).backend == "flex"
+    assert choose("auto", NO_FLEX, facts("cuda")).backend == "explicit"
+    assert choose("auto", GRID, facts("mps")).backend == "explicit"
+    assert choose("auto", FULL, facts("cuda")).backend == "explicit"  # full stays on SDPA
+    assert choose("auto", FULL, facts("cpu")).backend == "explicit"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "meta"])
+@pytest.mark.parametrize("condition", [
+    {"key_padding": True}, {"dropout": True}, {"value_width": 16}, {"grad": True, "dtype": torch.bfloat16},
+    {"geometry": "a single row"}, {"grad": True}, {},
+])
+def test_auto_never_picks_a_backend_that_does_not_apply(device, condition):
+    for variant in (GRID, NO_FLEX, FULL, Variant("linear", "efficient", True, None, "no partition")):
+        call = facts(device, **condition)
+        choice = choose("auto", variant, call)
+        assert dispatch.call_reason(choice.backend, variant, call) is None
+        assert choice.backend in dispatch.PRIORITY.get(device, dispatch.OTHER_DEVICES)
+        assert choice.backend != "flex" or device == "cuda"  # auto never runs flex unfused on CPU
+        assert {b for b, _ in choice.rejected} == set(BACKENDS[1:]) - {choice.backend}  # every other one explained
+
+
+def test_the_reasons_name_the_condition():
+    rejected = dict(choose("auto", GRID, facts("cpu", key_padding=True)).rejected)
+    assert rejected["cpu_flash"].startswith("key padding") and "unfused on CPU" in rejected["flex"]
+    rejected = dict(choose("auto", GRID, facts("cuda", dropout=True)).rejected)
+    assert "no attention-weight dropout" in rejected["flex"] and "CPU tensors only" in rejected["cpu_flash"]
+    assert "bfloat16 training" in dispatch.call_reason("cpu_flash", GRID, facts(grad=True, dtype=torch.bfloat16))
+    assert "no CPU backward" in choose("flex", GRID, facts("cpu", grad=True)).refusal
+    assert choose("flex", GRID, facts("cpu")).backend == "flex"  # CPU inference by name
+    assert "stays on SDPA" in choose("flex", FULL, facts("cuda")).refusal
+
+
+def test_the_choice_is_logged_once_with_the_reasons(caplog):
+    attn = build("combiner_fixed", True).double()
+    q, k, v = random_qkv(L=L)
+    with caplog.at_level(logging.INFO, logger="longseq.attention.ops.dispatch"):
+        attn(q, k, v, key_padding_mask=padding_masks()[:2])
+        attn(q, k, v, key_padding_mask=padding_masks()[:2])
+    lines = [r.getMessage() for r in caplog.records if "combiner_fixed" in r.getMessage()]
+    assert len(lines) <= 1  # once per run (an earlier test may have logged this very choice already)
+    if lines:
+        assert "runs on backend explicit" in lines[0] and "cpu_flash not used because: key padding" in lines[0]
+
+
+def test_the_choice_is_recorded_in_metrics_json(make_cfg, tmp_path):
+    """A tiny training run records the backend its attention layers used: metrics.json and the logger config."""
+    from longseq.runner import train
+
+    metrics = train(make_cfg(["attention=combiner_fixed", "attention.backend=explicit", "logger=csv",
+                              "trainer.max_steps=2", "test=false"]))
+    record = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["attention/backend"] == record["metrics"]["attention/backend"] == "explicit"
+    hparams = [p.read_text() for p in tmp_path.rglob("hparams.yaml")]
+    assert any("attention_backend:" in text and "attention: explicit" in text for text in hparams), hparams
