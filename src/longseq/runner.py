@@ -15,7 +15,6 @@ from typing import Any
 import hydra
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -23,7 +22,7 @@ from torchmetrics import Metric
 
 from longseq.attention.ops.dispatch import attention_backends, backend_summary
 from longseq.callbacks.nonfinite import resume_advice
-from longseq.callbacks.progress import StepProgressBar
+from longseq.callbacks.progress import console_callbacks
 from longseq.report.outcome import records_run_outcome
 from longseq.utils.checkpoint import AtomicCheckpointIO, check_model_matches, read_checkpoint
 from longseq.utils.config import check_batch_sizes, check_task_geometry, check_trainer_types, register_resolvers
@@ -60,12 +59,11 @@ def build_datamodule(cfg: DictConfig) -> L.LightningDataModule:
 
 
 def build_trainer(cfg: DictConfig, callbacks: list, loggers: list[Logger]) -> L.Trainer:
-    """The Trainer of ``cfg.trainer`` (types checked first), with atomic checkpoint writes and the step bar."""
+    """The Trainer of ``cfg.trainer`` (types checked first), with atomic checkpoint writes, the step bar and the
+    model summary."""
     check_trainer_types(cfg.trainer)
     quiet_lightning()
-    callbacks = list(callbacks)
-    if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
-        callbacks.append(StepProgressBar())
+    callbacks = console_callbacks(cfg.trainer, callbacks)  # the step bar and the compact model summary
     extra = {}
     if cfg.trainer.get("accelerator") != "tpu" and "plugins" not in cfg.trainer:
         extra["plugins"] = [AtomicCheckpointIO()]

@@ -27,13 +27,34 @@ SPURIOUS_WARNINGS = (
 SPURIOUS_PREFIXES = ("`isinstance(treespec", "It is recommended to use `self.log(")
 
 
+# Log lines (message prefixes) that tell the user nothing they did not ask for.
+KNOWN_NOISE = (
+    "💡",  # Lightning's tips (advertising)
+    "You have turned on `Trainer(detect_anomaly=True)`",  # debug=default asks for it: its slow-down is documented
+    "Trainer already configured with model summary callbacks",  # the runner's CompactModelSummary, on purpose
+)
+# Loggers quiet below WARNING: alembic names the 7 plugins it sets up whenever Optuna imports it (any sweep).
+QUIET_LOGGERS = ("alembic",)
+
+
 class _DropTips(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("💡")
+        return not str(record.msg).startswith(KNOWN_NOISE)
+
+
+def quiet_loggers() -> None:
+    """Raise ``QUIET_LOGGERS`` to WARNING. Called when this module is imported: ``train.py`` imports it before
+    Hydra's sweeper imports Optuna (and with it alembic), and Hydra's logging config leaves these levels alone."""
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+quiet_loggers()
 
 
 def quiet_lightning() -> None:
-    """Drop Lightning's "💡 Tip" lines and the warnings in ``SPURIOUS_WARNINGS`` (idempotent)."""
+    """Drop Lightning's lines in ``KNOWN_NOISE`` and the warnings in ``SPURIOUS_WARNINGS`` (idempotent)."""
+    quiet_loggers()
     for name in ("lightning.pytorch", "lightning.pytorch.utilities.rank_zero", "lightning.fabric"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropTips) for f in logger.filters):
