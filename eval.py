@@ -1,5 +1,6 @@
 """Evaluate a checkpoint with the config of the run that produced it:
-``python eval.py ckpt_path=logs/train/runs/<run>/checkpoints/best.ckpt [split=val]``, or sample from it:
+``python eval.py ckpt_path=logs/train/runs/<run>/checkpoints/best.ckpt [split=val]`` (a run or checkpoints/
+directory: its best.ckpt, else last.ckpt), or sample from it:
 ``python eval.py ckpt_path=... mode=sample [sample.n=16] [sample.cache=false] [sample.out_dir=<dir>]``.
 
 Errors print as one line, ``error: <key>: <message>`` (``HYDRA_FULL_ERROR=1``: full traceback).
@@ -11,9 +12,10 @@ from pathlib import Path
 os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parent))
 
 import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+from omegaconf import DictConfig, open_dict  # noqa: E402
 
 from longseq.runner import check_eval_mode, evaluate, sample  # noqa: E402
+from longseq.utils.checkpoint import resolve_ckpt_path  # noqa: E402
 from longseq.utils.config import register_resolvers  # noqa: E402
 from longseq.utils.console import full_errors, report_and_exit  # noqa: E402
 
@@ -23,6 +25,8 @@ register_resolvers()
 @hydra.main(version_base="1.3", config_path="conf", config_name="eval")
 def main(cfg: DictConfig) -> None:
     try:
+        with open_dict(cfg):  # a run or checkpoints/ directory stands for its best.ckpt (else last.ckpt)
+            cfg.ckpt_path = str(resolve_ckpt_path(cfg.ckpt_path))
         if check_eval_mode(cfg.get("mode", "evaluate")) == "sample":
             for name, path in sample(cfg).items():
                 print(f"{name}: {path}")

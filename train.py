@@ -4,8 +4,10 @@ Composes ``conf/train.yaml``, trains, tests the best checkpoint, and returns ``o
 Hydra sweepers (``-m``, Optuna) can optimize it. All logic lives in ``longseq.runner``.
 
 Before Hydra creates a run directory, ``ckpt_path=`` is checked (exists, loads, fits the composed model), and
-a checkpoint of an earlier run (``<run>/checkpoints/*.ckpt``) resumes that run in place: same directory,
-same logs. Errors print as one line, ``error: <key>: <message>`` (``HYDRA_FULL_ERROR=1``: full traceback).
+a checkpoint of an earlier run (``<run>/checkpoints/*.ckpt``, or the run directory) resumes that run in place
+with its own overrides replayed: same directory, same logs (``longseq.utils.resume``). A launcher job started
+again in a directory holding its own checkpoints (SLURM requeue) resumes from the newest one. Errors print as
+one line, ``error: <key>: <message>`` (``HYDRA_FULL_ERROR=1``: full traceback).
 """
 
 import os
@@ -23,7 +25,7 @@ from longseq.runner import metric_value, set_float32_precision, train  # noqa: E
 from longseq.utils.config import extras, register_resolvers  # noqa: E402
 from longseq.utils.console import error_summary, full_errors, report_and_exit  # noqa: E402
 from longseq.utils.errors import name_user_key  # noqa: E402
-from longseq.utils.resume import preflight  # noqa: E402
+from longseq.utils.resume import preflight, resume_requeued  # noqa: E402
 
 register_resolvers()
 CONFIG_DIR = Path(__file__).resolve().parent / "conf"
@@ -48,7 +50,7 @@ def run(cfg: DictConfig, output_dir: Path, multirun: bool) -> float | None:
     extras(cfg, output_dir, multirun=multirun, choices=dict(hydra_cfg.runtime.choices),
            overrides=list(hydra_cfg.overrides.task))
     set_float32_precision()
-    metrics = train(cfg)
+    metrics = train(resume_requeued(cfg, output_dir, multirun))
     summary = {k: v for k, v in sorted(metrics.items()) if k.startswith(("test/", "val/"))}
     print("results: " + ", ".join(f"{k}={v:.4f}" for k, v in summary.items()))
     checkpoints = output_dir / "checkpoints"

@@ -49,5 +49,6 @@ def test_submitit_slurm_composes_with_partition_gpus_time() -> None:
     assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")
     assert (launcher.partition, launcher.gpus_per_node, launcher.tasks_per_node, launcher.timeout_min) == ("gpu", 8, 8, 1440)
     assert launcher.submitit_folder.endswith("/.submitit/%j")
+    assert launcher.max_num_timeout > 0  # time-outs requeue; the requeued job resumes (test_runs_resume.py)
     local = compose_config(["hydra/launcher=submitit_local"]).hydra.launcher
     assert local._target_.endswith("submitit_launcher.LocalLauncher") and local.timeout_min == 60

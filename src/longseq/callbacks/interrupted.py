@@ -28,9 +28,33 @@ class InterruptedCheckpoint(Callback):
     def __init__(self, dirpath: str, filename: str = "interrupted") -> None:
         self.path = Path(dirpath) / f"{filename}.ckpt"
         self.start_step: int | None = None
+        self.stale_since: float | None = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.start_step = trainer.global_step  # > 0 when resuming
+        # An interrupted.ckpt of an earlier attempt: retired once this run has saved a newer last.ckpt, so
+        # it cannot be resumed by mistake beside the newer best / last.
+        self.stale_since = self.path.stat().st_mtime if self.path.is_file() else None
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args, **kwargs) -> None:
+        self.retire_superseded(trainer)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.retire_superseded(trainer)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:  # after last.ckpt's final write
+        self.retire_superseded(trainer)
+
+    def retire_superseded(self, trainer: L.Trainer) -> None:
+        """Delete the earlier attempt's ``interrupted.ckpt`` once ``last.ckpt`` was written by this run after
+        at least one step past where it started (its state is then newer; rank 0 only)."""
+        if self.stale_since is None or not trainer.is_global_zero or trainer.global_step <= (self.start_step or 0):
+            return
+        last = self.path.with_name("last.ckpt")
+        if last.is_file() and last.stat().st_mtime > self.stale_since and self.path.is_file():
+            self.path.unlink()
+            self.stale_since = None
+            log.info(f"retired {self.path} of the earlier attempt: {last} is newer")
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if self.start_step is None or trainer.global_step <= self.start_step or trainer.fast_dev_run:

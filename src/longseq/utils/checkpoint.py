@@ -1,12 +1,14 @@
 """Checkpoint files: atomic writes, a readable check of ``ckpt_path``, and a match against the composed model.
 
 One home for "is this checkpoint usable?": ``train.py`` (before the run directory exists), ``runner.train``
-and ``eval.py`` all call ``read_checkpoint`` / ``check_model_matches``.
+and ``eval.py`` all call ``read_checkpoint`` / ``check_model_matches``; ``resolve_ckpt_path`` turns a directory
+given as ``ckpt_path`` into its checkpoint.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -55,6 +57,54 @@ def run_dir_of(ckpt_path: str | Path) -> Path | None:
     return None
 
 
+def checkpoint_step(path: str | Path) -> int:
+    """The ``global_step`` saved in a checkpoint (-1 when it cannot be read): which of two files is newer."""
+    try:
+        return int(read_checkpoint(path).get("global_step", -1))
+    except (ConfigError, TypeError, ValueError):
+        return -1
+
+
+def newest_checkpoint(directory: str | Path, names: tuple[str, ...] = ("last.ckpt", "interrupted.ckpt")) -> Path | None:
+    """The file among ``names`` in ``directory`` with the highest saved step (the first of equals), or None."""
+    found = [Path(directory) / name for name in names if (Path(directory) / name).is_file()]
+    if not found:
+        return None
+    steps = [checkpoint_step(p) for p in found]
+    return found[steps.index(max(steps))]
+
+
+def holdings(directory: Path) -> str:
+    """``it holds [...]: pass one of them`` (the ``.ckpt`` files under ``directory``), or that it holds none."""
+    found = sorted(str(p.relative_to(directory)) for p in directory.rglob("*.ckpt"))
+    return f"it holds {found}: pass one of them" if found else "it holds no .ckpt file"
+
+
+def resolve_ckpt_path(ckpt_path: str | Path, key: str = "ckpt_path", resume: bool = False) -> Path:
+    """``ckpt_path`` itself when it is not a directory, else the checkpoint it stands for, announced on stderr.
+
+    A run directory or its ``checkpoints/`` resolves to ``best.ckpt`` then ``last.ckpt`` (evaluation), or with
+    ``resume`` to the newest of ``last.ckpt`` / ``interrupted.ckpt`` (by saved step), then ``best.ckpt``. A
+    directory without them raises ``ConfigError(key, ...)`` listing the ``.ckpt`` files it holds.
+    """
+    path = Path(ckpt_path)
+    if not path.is_dir():
+        return path
+    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if resume:
+        chosen = newest_checkpoint(folder) or newest_checkpoint(folder, ("best.ckpt",))
+        why = "the newest of last.ckpt / interrupted.ckpt" if chosen and chosen.name != "best.ckpt" else "best.ckpt"
+    else:
+        chosen = next((folder / n for n in ("best.ckpt", "last.ckpt") if (folder / n).is_file()), None)
+        why = "best.ckpt" if chosen and chosen.name == "best.ckpt" else "no best.ckpt"
+    if chosen is None:
+        wanted = "last.ckpt, interrupted.ckpt or best.ckpt" if resume else "best.ckpt or last.ckpt"
+        raise ConfigError(key, f"{path} is a directory without {wanted} (in it or in its checkpoints/); "
+                               f"{holdings(path)}")
+    print(f"{key}: {path} is a directory: using {chosen} ({why})", file=sys.stderr)
+    return chosen
+
+
 def read_checkpoint(ckpt_path: str | Path, key: str = "ckpt_path") -> dict[str, Any]:
     """Load a Lightning checkpoint on CPU (memory-mapped), or raise ``ConfigError(key, ...)`` naming the file.
 
@@ -62,6 +112,8 @@ def read_checkpoint(ckpt_path: str | Path, key: str = "ckpt_path") -> dict[str, 
     errors) and says which file is broken and what to use instead.
     """
     path = Path(ckpt_path)
+    if path.is_dir():  # train.py and eval.py resolve directories first (resolve_ckpt_path); other callers land here
+        raise ConfigError(key, f"{path} is a directory, not a checkpoint file; {holdings(path)}")
     if not path.is_file():
         hint = ""
         if path.parent.is_dir():
@@ -106,6 +158,7 @@ def check_model_matches(state: dict[str, Any], model: torch.nn.Module, ckpt_path
     if reshaped:
         parts.append("shape differs: " + ", ".join(f"{k} {saved[k]} vs {expected[k]}" for k in reshaped[:limit]))
     run = run_dir_of(ckpt_path)
-    where = (f"; it was trained with the overrides in {run / OVERRIDES_FILE}: pass the same model/attention/task "
-             "overrides" if run else "; pass the model/attention/task overrides it was trained with")
+    where = (f"; it was trained with the overrides in {run / OVERRIDES_FILE} (train.py replays them): drop the "
+             "model/attention/task overrides that differ" if run
+             else "; pass the model/attention/task overrides it was trained with")
     raise ConfigError(key, f"{ckpt_path} does not match the composed model ({'; '.join(parts)}){where}")

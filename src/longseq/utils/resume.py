@@ -1,14 +1,30 @@
-"""``train.py``'s pre-flight: check ``ckpt_path`` and resume a run in place, before Hydra makes a run directory."""
+"""``train.py``'s pre-flight and resume: one command resumes a run in place, replaying how it was trained.
+
+- ``preflight`` (before Hydra composes or makes a run directory): ``ckpt_path=<run>/checkpoints/<file>.ckpt``
+  (or a run / checkpoints directory) replays the run's saved overrides with the command's own on top, checks
+  the checkpoint against the composed model, and points Hydra at ``<run>``.
+- ``resume_requeued`` (inside the job): a launcher job started again in a directory that already holds its own
+  checkpoints (a SLURM requeue after preemption or time-out, a resubmitted job) resumes from the newest one.
+"""
 
 from __future__ import annotations
 
 import datetime
+import logging
+import os
 import sys
 from pathlib import Path
 
-from longseq.utils.checkpoint import run_dir_of
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from longseq.utils.checkpoint import OVERRIDES_FILE, checkpoint_step, newest_checkpoint, resolve_ckpt_path, run_dir_of
 from longseq.utils.console import full_errors, report_and_exit
 from longseq.utils.errors import ConfigError
+from longseq.utils.rundir import describe, live_holder
+
+log = logging.getLogger(__name__)
+
+NOT_REPLAYED = ("ckpt_path",)  # the new command names its own checkpoint
 
 
 def override_value(overrides: list[str], key: str) -> str | None:
@@ -38,39 +54,147 @@ def compose_for_check(config_dir: Path, config_name: str, overrides: list[str]):
         GlobalHydra.instance().clear()
 
 
-def preflight(argv: list[str], config_dir: Path, config_name: str = "train") -> list[str]:
-    """Check ``ckpt_path=`` and return ``argv`` with the overrides that resume its run in place.
+def saved_overrides(run: Path) -> tuple[Path, list[str]]:
+    """The overrides the run was last started with: the newest ``.hydra/resume-<time>/overrides.yaml`` (a
+    resume records the full list it ran with), else ``.hydra/overrides.yaml``; ([] when there is none)."""
+    records = sorted((run / ".hydra").glob("resume-*/overrides.yaml"))
+    path = records[-1] if records else run / OVERRIDES_FILE
+    if not path.is_file():
+        return path, []
+    return path, [str(o) for o in OmegaConf.load(path)]
 
-    The checkpoint must exist, load and match the model the other overrides compose (``ConfigError`` naming
-    the file, or the differing keys and the run's ``.hydra/overrides.yaml``): nothing is created when it
-    does not. A checkpoint inside ``<run>/checkpoints/`` adds ``hydra.run.dir=<run>`` (unless given), so the
-    resumed training continues in its own directory; Hydra's record of this invocation goes to
-    ``<run>/.hydra/resume-<time>/`` and the run's original ``.hydra/overrides.yaml`` stays as it was.
-    Multiruns (``-m``) are checked per job by ``runner.train`` instead.
+
+def override_key(text: str) -> tuple[str, str | None]:
+    """(key or group, package) of one override: what two overrides must share to set the same thing."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        (parsed,) = OverridesParser.create().parse_overrides([text])
+        return parsed.key_or_group, parsed.package
+    except Exception:  # noqa: BLE001 - an unparsable record still has a key before '='
+        return text.partition("=")[0].lstrip("+~"), None
+
+
+def replay(saved: list[str], given: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """``saved`` overrides with ``given`` on top -> (overrides to run with, replayed, changed).
+
+    A saved override whose key the command sets again is replaced by the command's (``changed`` says
+    ``new (was old)``); one that added a key (``+key=v``) keeps adding it (the new value is forced, ``++``).
+    """
+    given_keys = {override_key(g): g for g in given}
+    saved_keys = {override_key(s): s for s in saved}
+    kept = [s for s in saved if override_key(s) not in given_keys and override_key(s)[0] not in NOT_REPLAYED]
+    result, changed = list(kept), []
+    for g in given:
+        old = saved_keys.get(override_key(g))
+        if old is not None and old.startswith("+") and not g.startswith(("+", "~")):
+            g = "++" + g
+        if old is not None and old.lstrip("+") != g.lstrip("+") and override_key(g)[0] not in NOT_REPLAYED:
+            changed.append(f"{g} (was {old})")
+        elif old is None and override_key(g)[0] not in NOT_REPLAYED and not g.lstrip("+~").startswith("hydra"):
+            changed.append(f"{g} (new)")
+        result.append(g)
+    return result, kept, changed
+
+
+def preflight(argv: list[str], config_dir: Path, config_name: str = "train") -> list[str]:
+    """Return ``argv`` with what resumes ``ckpt_path=``'s run in place: its overrides, and its directory.
+
+    ``ckpt_path`` may be a file or a run / ``checkpoints/`` directory (the newest of ``last.ckpt`` /
+    ``interrupted.ckpt``). Inside ``<run>/checkpoints/`` the run's saved overrides are replayed under the
+    command's own (both printed), and ``hydra.run.dir=<run>`` is added (unless given) so the training continues
+    in its own directory; Hydra's record of this invocation goes to ``<run>/.hydra/resume-<time>/`` and the
+    original ``.hydra/overrides.yaml`` stays as it was. The checkpoint must exist, load and match the composed
+    model (``ConfigError`` naming the file or the differing keys), and the run must not be live: nothing is
+    created otherwise. Multiruns (``-m``) are checked per job by ``runner.train`` instead.
     """
     from hydra._internal.utils import get_args_parser
 
     args, _ = get_args_parser().parse_known_args(argv[1:])
     if args.multirun or args.cfg or args.info or args.help or args.hydra_help or args.shell_completion:
         return argv
-    overrides = list(args.overrides or [])
-    ckpt = override_value(overrides, "ckpt_path")
+    given = list(args.overrides or [])
+    ckpt = override_value(given, "ckpt_path")
     if not ckpt or ckpt == "null":
         return argv
-    from longseq.runner import check_ckpt_path
-
+    flags = [a for a in argv[1:] if a not in set(given)]
     try:
-        cfg = compose_for_check(config_dir, args.config_name or config_name, overrides)
-        check_ckpt_path(cfg)
+        resolved = resolve_ckpt_path(ckpt, resume=True)
+        run = run_dir_of(resolved)
+        overrides = [o for o in given if override_key(o)[0] != "ckpt_path"] + [f"ckpt_path={resolved}"]
+        explicit_dir = override_value(given, "hydra.run.dir") is not None
+        holder = live_holder(run) if run is not None and not explicit_dir else None
+        if holder:
+            raise ConfigError("ckpt_path", f"{run} is still being written by a live run ({describe(holder)}); "
+                                           "stop it first (its checkpoints are not final)")
+        if run is not None:
+            record, saved = saved_overrides(run)
+            overrides, kept, changed = replay(saved, overrides)
+            print(f"resume: replaying {record}: {' '.join(kept) or '(no overrides)'}", file=sys.stderr)
+            if changed:
+                print(f"resume: this command changes {'; '.join(changed)}", file=sys.stderr)
+        check_composed(config_dir, args.config_name or config_name, overrides)
     except ConfigError as exc:
         if full_errors():
             raise
         report_and_exit(exc)
-    except Exception:  # noqa: BLE001 - any other problem is reported by the real run, with its context
-        pass
-    run = run_dir_of(ckpt)
-    if run is None or override_value(overrides, "hydra.run.dir") is not None:
-        return argv
+    if run is None or explicit_dir:
+        return [argv[0], *flags, *overrides]
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     print(f"resuming in place: {run}", file=sys.stderr)
-    return [*argv, f"hydra.run.dir={run}", f"hydra.output_subdir=.hydra/resume-{stamp}"]
+    return [argv[0], *flags, *overrides, f"hydra.run.dir={run}", f"hydra.output_subdir=.hydra/resume-{stamp}"]
+
+
+def check_composed(config_dir: Path, config_name: str, overrides: list[str]) -> None:
+    """``runner.check_ckpt_path`` on the config ``overrides`` compose to (``ConfigError`` passes through)."""
+    from longseq.runner import check_ckpt_path
+
+    try:
+        cfg = compose_for_check(config_dir, config_name, overrides)
+    except Exception:  # noqa: BLE001 - a composition error is reported by the real run, with its context
+        return
+    try:
+        check_ckpt_path(cfg)
+    except ConfigError:
+        raise
+    except Exception:  # noqa: BLE001 - any other problem is reported by the real run, with its context
+        pass
+
+
+def same_job(saved: DictConfig, cfg: DictConfig) -> bool:
+    """True when two resolved configs describe the same training (the checkpoint and loggers may differ:
+    a resume sets ``ckpt_path`` and gives the loggers a continuation version)."""
+
+    def plain(node: DictConfig) -> dict:
+        data = OmegaConf.to_container(node, resolve=True)
+        return {k: v for k, v in data.items() if k not in ("ckpt_path", "logger")}
+
+    return plain(saved) == plain(cfg)
+
+
+def resume_requeued(cfg: DictConfig, output_dir: Path, multirun: bool) -> DictConfig:
+    """Set ``cfg.ckpt_path`` to the newest checkpoint an earlier attempt of this same job left in ``output_dir``.
+
+    Applies to launcher jobs (``-m``: a sweep job's directory belongs to that job alone) and to requeued SLURM
+    jobs (``SLURM_RESTART_COUNT`` > 0), when no ``ckpt_path`` was given. The earlier attempt must have run the
+    same config (its ``config_resolved.yaml``); otherwise its checkpoints are left alone with a warning and the
+    job starts afresh. Returns ``cfg`` (changed in place).
+    """
+    from longseq.runner import RESOLVED_CONFIG
+
+    requeued = int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
+    if cfg.get("ckpt_path") or not (multirun or requeued) or not cfg.get("train", True):
+        return cfg
+    ckpt = newest_checkpoint(output_dir / "checkpoints")
+    if ckpt is None:
+        return cfg
+    record = output_dir / RESOLVED_CONFIG
+    if not record.is_file() or not same_job(OmegaConf.load(record), cfg):
+        log.warning(f"{output_dir} holds checkpoints of another configuration ({record} differs): not resuming them")
+        return cfg
+    with open_dict(cfg):
+        cfg.ckpt_path = str(ckpt)
+    message = f"requeued job: resuming in place from {ckpt} (step {checkpoint_step(ckpt)})"
+    log.info(message)
+    print(message, file=sys.stderr)
+    return cfg

@@ -1,0 +1,238 @@
+"""Runs that never collide and resume with one command: unique locked run dirs, override replay, requeue.
+
+CLI runs as a user starts them (``train.py`` in subprocesses, tiny model on digits), plus the pieces they use
+(``rundir`` locks, ``resume.replay``, ``resolve_ckpt_path``) called directly.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, compose_config
+from omegaconf import OmegaConf
+
+from longseq.utils import rundir
+from longseq.utils.checkpoint import resolve_ckpt_path, save_atomically
+from longseq.utils.errors import ConfigError
+from longseq.utils.resume import replay
+
+TINY = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "trainer.limit_val_batches=1",
+        "trainer.limit_test_batches=1", "extras.print_config=false", "trainer.enable_progress_bar=false",
+        "trainer.enable_model_summary=false", "callbacks.attention_maps.enabled=false",
+        "callbacks.samples.n_samples=0"]
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
+ENV.pop("HYDRA_FULL_ERROR", None)
+STAMP = re.compile(r"^\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_[0-9a-f]{6}$")
+
+
+def start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def cli(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, env=ENV,
+                          timeout=300)
+
+
+def saved_step(path: Path) -> int:
+    return torch.load(path, weights_only=False)["global_step"] if path.is_file() else -1
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def interrupt_after_step(args: list[str], ckpt: Path, step: int = 2) -> None:
+    """Start ``train.py args`` and SIGTERM it once ``ckpt`` holds ``step``: it exits 143 with interrupted.ckpt."""
+    proc = start(args)
+    wait_for(lambda: saved_step(ckpt) >= step, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+
+
+# --- unique, locked run directories -----------------------------------------------------------------------
+
+
+def test_generated_run_and_sweep_dirs_carry_a_per_process_suffix(tmp_path):
+    cfg = compose_config([f"paths.log_dir={tmp_path}"])
+    run, sweep = Path(cfg.hydra.run.dir), Path(cfg.hydra.sweep.dir)
+    assert run.parent == tmp_path / "train" / "runs" and STAMP.match(run.name)
+    assert sweep.parent == tmp_path / "train" / "multiruns" and STAMP.match(sweep.name)
+    assert run.name.endswith("_" + rundir.run_suffix()) and sweep.name.endswith("_" + rundir.run_suffix())
+
+
+@pytest.mark.slow  # two concurrent CLI runs; the fast set checks the suffix and the lock in-process
+def test_two_runs_started_in_the_same_second_get_their_own_dirs_and_scores(tmp_path):
+    # The timestamp is pinned (the same second for both); the suffix is what the default run dir appends.
+    pinned = f"hydra.run.dir={tmp_path}/runs/2026-01-01_00-00-00_${{run_suffix:}}"
+    procs = [start([pinned, f"seed={seed}", "trainer.max_steps=3", *TINY]) for seed in (1, 2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for proc, (_, err) in zip(procs, outs):
+        assert proc.returncode == 0, err[-3000:]
+    runs = sorted((tmp_path / "runs").iterdir())
+    assert len(runs) == 2 and all(STAMP.match(r.name) for r in runs)
+    printed = []
+    for out, _ in outs:
+        (line,) = [x for x in out.splitlines() if x.startswith("tested checkpoint: ")]
+        run = Path(line.removeprefix("tested checkpoint: ")).parent.parent
+        score = float(re.search(r"test/bpd=([0-9.]+)", out).group(1))
+        record = json.loads((run / "metrics.json").read_text())
+        assert record["status"] == "completed"
+        assert record["metrics"]["test/bpd"] == pytest.approx(score, abs=1e-4)  # its own score, from its own dir
+        printed.append((run, score))
+    assert printed[0][0] != printed[1][0] and printed[0][1] != printed[1][1]
+    assert not list(tmp_path.rglob(".lock"))  # released at the end
+
+
+def test_second_live_run_on_one_run_dir_exits_naming_it_and_the_first_is_unharmed(tmp_path):
+    run = tmp_path / "run"
+    first = start([f"hydra.run.dir={run}", "seed=1", "trainer.max_steps=100000", *TINY])
+    try:
+        wait_for(lambda: (run / ".hydra" / "overrides.yaml").is_file(), first)
+        overrides = (run / ".hydra" / "overrides.yaml").read_text()
+        second = cli([f"hydra.run.dir={run}", "seed=2", "trainer.max_steps=3", *TINY])
+        assert second.returncode == 1
+        assert f"error: hydra.run.dir: {run} is in use by another live run (pid {first.pid} on " in second.stderr
+        assert "Traceback" not in second.stderr
+        assert first.poll() is None  # still training
+        assert (run / ".hydra" / "overrides.yaml").read_text() == overrides  # nothing of the second's written
+        assert json.loads((run / ".lock").read_text())["pid"] == first.pid
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=120)
+    assert first.returncode == 143  # its own orderly SIGTERM exit
+    assert "seed=2" not in (run / ".hydra" / "overrides.yaml").read_text()
+    assert not (run / ".lock").exists()
+
+
+def test_lock_is_exclusive_reentrant_and_a_stale_one_is_taken_over(tmp_path, caplog):
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    fd = os.open(busy / ".lock", os.O_RDWR | os.O_CREAT)  # another holder: its own open file description
+    os.write(fd, json.dumps({"pid": 4242, "host": "node7", "started": "t"}).encode())
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(ConfigError, match=rf"hydra.sweep.dir: {busy} is in use by another live run "
+                                              r"\(pid 4242 on node7"):
+            rundir.acquire(busy, "hydra.sweep.dir")
+        assert rundir.live_holder(busy)["pid"] == 4242
+    finally:
+        os.close(fd)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / ".lock").write_text(json.dumps({"pid": int(dead.stdout), "host": "vm", "started": "t"}))
+    try:
+        assert rundir.live_holder(stale) is None
+        rundir.acquire(stale)
+        rundir.acquire(stale)  # re-entrant in the same process
+        assert f"taking over the stale lock of {stale} (pid {int(dead.stdout)}" in caplog.text
+        assert json.loads((stale / ".lock").read_text())["pid"] == os.getpid()
+    finally:
+        rundir.release(stale)
+    assert not (stale / ".lock").exists()
+
+
+# --- one-command resume --------------------------------------------------------------------------------------
+
+
+def test_replay_puts_the_commands_overrides_on_top_of_the_saved_ones():
+    saved = ["model.d_model=32", "trainer.max_steps=60", "+trainer.gradient_clip_val=1.0", "attention=local",
+             "ckpt_path=/old/run/last.ckpt"]
+    given = ["trainer.max_steps=80", "trainer.gradient_clip_val=0.5", "logger=csv", "ckpt_path=/new/last.ckpt"]
+    result, kept, changed = replay(saved, given)
+    assert kept == ["model.d_model=32", "attention=local"]
+    assert result == ["model.d_model=32", "attention=local", "trainer.max_steps=80",
+                      "++trainer.gradient_clip_val=0.5", "logger=csv", "ckpt_path=/new/last.ckpt"]
+    assert changed == ["trainer.max_steps=80 (was trainer.max_steps=60)",
+                       "++trainer.gradient_clip_val=0.5 (was +trainer.gradient_clip_val=1.0)", "logger=csv (new)"]
+
+
+def test_ckpt_path_alone_resumes_with_the_runs_overrides_and_its_max_steps(tmp_path):
+    run = tmp_path / "run"
+    trained_with = [f"hydra.run.dir={run}", "trainer.max_steps=40", "optimizer.lr=0.002", "seed=7",
+                    "callbacks.model_checkpoint.every_n_train_steps=2", "test=false", *TINY]
+    interrupt_after_step(trained_with, run / "checkpoints" / "last.ckpt")
+    interrupted = run / "checkpoints" / "interrupted.ckpt"
+    step = saved_step(interrupted)
+    assert 2 <= step < 40
+
+    out = cli([f"ckpt_path={interrupted}"])  # nothing else typed
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"resume: replaying {run / '.hydra' / 'overrides.yaml'}: trainer.max_steps=40 optimizer.lr=0.002" in out.stderr
+    assert f"resuming in place: {run}" in out.stderr
+    assert saved_step(run / "checkpoints" / "last.ckpt") == 40  # the original max_steps
+    resolved = OmegaConf.load(run / "config_resolved.yaml")
+    assert (resolved.model.d_model, resolved.optimizer.lr, resolved.seed) == (32, 0.002, 7)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["best.ckpt", "last.ckpt"]  # interrupted retired
+    assert "retired" in (run / "train.log").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_a_directory_as_ckpt_path_resolves_or_lists_what_it_holds(tmp_path, capsys):
+    ckpts = tmp_path / "run" / "checkpoints"
+    for name, step in (("best.ckpt", 4), ("last.ckpt", 6), ("interrupted.ckpt", 9)):
+        save_atomically({"global_step": step, "state_dict": {}}, ckpts / name)
+    assert resolve_ckpt_path(tmp_path / "run") == ckpts / "best.ckpt"
+    assert resolve_ckpt_path(ckpts, resume=True) == ckpts / "interrupted.ckpt"  # the newest state
+    assert f"ckpt_path: {ckpts} is a directory: using {ckpts / 'interrupted.ckpt'}" in capsys.readouterr().err
+    other = tmp_path / "other"
+    save_atomically({"global_step": 1, "state_dict": {}}, other / "epoch=3.ckpt")
+    with pytest.raises(ConfigError, match=r"ckpt_path: .*other is a directory without best.ckpt or last.ckpt .*"
+                                          r"it holds \['epoch=3.ckpt'\]: pass one of them"):
+        resolve_ckpt_path(other)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="it holds no .ckpt file"):
+        resolve_ckpt_path(tmp_path / "empty", resume=True)
+
+
+@pytest.mark.slow  # a CLI training run + eval; the fast set resolves directories in-process
+def test_eval_of_a_checkpoints_directory_uses_its_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    assert cli([f"hydra.run.dir={run}", "trainer.max_steps=2", "test=false", *TINY]).returncode == 0
+    out = subprocess.run([sys.executable, "eval.py", f"ckpt_path={run / 'checkpoints'}",
+                          f"hydra.run.dir={tmp_path / 'eval'}", "trainer.limit_test_batches=1",
+                          "trainer.enable_progress_bar=false"],
+                         cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"using {run / 'checkpoints' / 'last.ckpt'} (no best.ckpt)" in out.stderr
+    assert re.search(r"^test/bpd: [0-9.]+$", out.stdout, re.M)
+
+
+# --- requeue ------------------------------------------------------------------------------------------------
+
+
+def test_a_requeued_launcher_job_resumes_in_place(tmp_path):
+    """What a SLURM requeue does: the same job (same sweep dir, same overrides) starts again after a kill."""
+    sweep = tmp_path / "sweep"
+    job = ["-m", f"hydra.sweep.dir={sweep}", "seed=3", "trainer.max_steps=40", "test=false",
+           "callbacks.model_checkpoint.every_n_train_steps=2", *TINY]
+    interrupt_after_step(job, sweep / "0" / "checkpoints" / "last.ckpt")
+    step = saved_step(sweep / "0" / "checkpoints" / "interrupted.ckpt")
+    assert 2 <= step < 40
+    assert json.loads((sweep / "0" / "metrics.json").read_text())["status"] == "interrupted"
+
+    out = cli(job)  # the requeued attempt: the very same command
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"requeued job: resuming in place from {sweep / '0' / 'checkpoints' / 'interrupted.ckpt'} (step {step})" \
+        in out.stderr
+    assert saved_step(sweep / "0" / "checkpoints" / "last.ckpt") == 40
+    assert not (sweep / "0" / "checkpoints" / "interrupted.ckpt").exists()
+    assert json.loads((sweep / "0" / "metrics.json").read_text())["status"] == "completed"
+    assert sorted(p.name for p in sweep.iterdir() if not p.name.startswith(".")) == ["0", "multirun.yaml"]
