@@ -68,13 +68,40 @@ def test_results_notebook_aggregates_a_multirun(tmp_path: Path) -> None:
     book = execute("results", f"multirun_dir = {str(root)!r}")
     text = text_of(book)
     assert "1.9500 ± 0.0500" in text and "injected fault" in text
+    assert "no val/bpd curve in the CSV logs of 1 run(s): 6" in text  # said, not silently missing from the plot
     assert images_of(book) == 1
 
 
-def test_samples_notebook_completes_images(make_cfg, tmp_path: Path) -> None:
+def test_make_notebooks_after_a_short_train_runs_every_notebook(tmp_path: Path) -> None:
+    """``make notebooks`` right after ``make train`` (no Table 1 sweep): every notebook runs; results reports the
+    trained run with its curve (from the CSV every run writes), samples draws from its checkpoint."""
+    from conftest import compose_config
+
+    from longseq.report.notebooks import main
     from longseq.runner import train
 
-    metrics = train(make_cfg(["callbacks.samples.n_samples=0", "callbacks.attention_maps.enabled=false"]))
-    book = execute("samples", f"ckpt_path = {metrics['ckpt_path']!r}\nn_samples = 2\nn_completions = 2")
-    assert "attention full" in text_of(book)
-    assert images_of(book) == 4  # samples, test images, given halves, completions
+    logs = tmp_path / "logs"
+    run = logs / "train" / "runs" / "2026-11-25_12-00-00"
+    train(compose_config(["callbacks.samples.n_samples=0", "callbacks.attention_maps.enabled=false",
+                          "trainer.log_every_n_steps=1"], run))
+    out = tmp_path / "executed"
+    params = ["--param", f"logs_dir = {str(logs)!r}", "--param", "n_samples = 2", "--param", "n_completions = 2"]
+    assert main(["--out", str(out), *params]) == 0
+    assert sorted(p.stem for p in out.glob("*.ipynb")) == NAMES
+    results = nbformat.read(out / "results.ipynb", as_version=4)
+    assert "1 runs" in text_of(results) and "no val/bpd curve" not in text_of(results)
+    assert images_of(results) == 1
+    samples = nbformat.read(out / "samples.ipynb", as_version=4)
+    assert "attention full" in text_of(samples)
+    assert images_of(samples) == 4  # samples, test images, given halves, completions
+
+
+def test_notebooks_without_their_input_say_so_and_pass(tmp_path: Path) -> None:
+    from longseq.report.notebooks import main
+
+    out = tmp_path / "executed"
+    assert main(["results", "samples", "--out", str(out), "--param", f"logs_dir = {str(tmp_path)!r}"]) == 0
+    results, samples = (nbformat.read(out / f"{name}.ipynb", as_version=4) for name in ("results", "samples"))
+    assert "no runs to report" in text_of(results) and images_of(results) == 0
+    assert "no digits checkpoint" in text_of(samples) and images_of(samples) == 0
+

@@ -3,7 +3,9 @@
 ``python -m longseq.report.notebooks [name ...] [--out logs/notebooks] [--param 'key = value' ...]`` runs each
 ``notebooks/<name>.ipynb`` top to bottom with nbclient and writes the executed copy (with its outputs) to
 ``--out``; the stored notebooks stay without outputs. ``--param`` lines are injected after the cell tagged
-``parameters`` (papermill's convention), so a notebook's defaults can be overridden from the command line.
+``parameters`` (papermill's convention), so a notebook's defaults can be overridden from the command line
+(``--param 'logs_dir = "elsewhere/logs"'``). Every notebook runs even when one fails (exit status 1 then); a
+notebook whose input is missing (no sweep or checkpoint yet) says so in its output and passes.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
 
 ROOT = Path(__file__).resolve().parents[3]
 NOTEBOOK_DIR = ROOT / "notebooks"
@@ -50,15 +53,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--param", action="append", default=[], help="a Python line injected after the parameters cell")
     args = parser.parse_args(argv)
     names = args.names or sorted(p.stem for p in NOTEBOOK_DIR.glob("*.ipynb"))
-    for name in names:
-        path = NOTEBOOK_DIR / f"{name}.ipynb"
+    paths = [NOTEBOOK_DIR / f"{name}.ipynb" for name in names]
+    for path in paths:
         if not path.is_file():
             print(f"no notebook {path}; available: {', '.join(p.stem for p in NOTEBOOK_DIR.glob('*.ipynb'))}",
                   file=sys.stderr)
             return 2
-        execute_notebook(path, "\n".join(args.param), output=args.out / path.name)
+    failed = []
+    for path in paths:  # one failing notebook does not stop the others; each says itself when its input is missing
+        try:
+            execute_notebook(path, "\n".join(args.param), output=args.out / path.name)
+        except CellExecutionError as error:
+            failed.append(path.stem)
+            last = [line for line in str(error).strip().splitlines() if line.strip()][-1:]
+            print(f"error: {path.relative_to(ROOT)}: a cell failed: {' '.join(last)}", file=sys.stderr)
+            continue
         print(f"executed {path.relative_to(ROOT)} -> {args.out / path.name}")
-    return 0
+    if failed:
+        print(f"{len(failed)} of {len(paths)} notebooks failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

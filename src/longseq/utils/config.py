@@ -210,3 +210,25 @@ def check_batch_sizes(cfg: DictConfig, datamodule: Any, world_size: int) -> None
     eval_batch = getattr(datamodule, "eval_batch_size", None)
     if isinstance(eval_batch, int):
         per_device_batch_size(eval_batch, world_size, 1, key=user_key(cfg, "task.data.eval_batch_size"))
+
+
+CSV_LOGGER = {"_target_": "lightning.pytorch.loggers.CSVLogger", "save_dir": "${paths.output_dir}", "name": "csv",
+              "version": "", "flush_logs_every_n_steps": 10}  # as conf/logger/csv.yaml
+
+
+def ensure_csv_logger(cfg: DictConfig) -> None:
+    """Add ``logger.csv`` (``<run>/csv/metrics.csv``) when no CSV logger is configured and
+    ``extras.csv_metrics`` is true (the default): every run keeps its curves in a file that
+    ``longseq.report`` and ``notebooks/results.ipynb`` can read, whatever else it logs to (none, W&B,
+    TensorBoard). Cheap: one buffered row per ``trainer.log_every_n_steps``."""
+    from omegaconf import open_dict
+
+    if not (cfg.get("extras") or {}).get("csv_metrics", True):
+        return
+    loggers = cfg.get("logger") or {}
+    if any(str((node or {}).get("_target_", "")).endswith("CSVLogger") for node in loggers.values()):
+        return
+    with open_dict(cfg):
+        if not cfg.get("logger"):
+            cfg.logger = {}
+        cfg.logger.csv = CSV_LOGGER
