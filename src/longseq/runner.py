@@ -15,14 +15,14 @@ from typing import Any
 import hydra
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torchmetrics import Metric
 
+from longseq.attention.ops.dispatch import attention_backends, backend_summary
 from longseq.callbacks.nonfinite import resume_advice
-from longseq.callbacks.progress import StepProgressBar
+from longseq.callbacks.progress import console_callbacks
 from longseq.report.outcome import records_run_outcome
 from longseq.utils.checkpoint import AtomicCheckpointIO, check_model_matches, read_checkpoint
 from longseq.utils.config import (check_batch_sizes, check_task_geometry, check_trainer_types, ensure_csv_logger,
@@ -60,12 +60,11 @@ def build_datamodule(cfg: DictConfig) -> L.LightningDataModule:
 
 
 def build_trainer(cfg: DictConfig, callbacks: list, loggers: list[Logger]) -> L.Trainer:
-    """The Trainer of ``cfg.trainer`` (types checked first), with atomic checkpoint writes and the step bar."""
+    """The Trainer of ``cfg.trainer`` (types checked first), with atomic checkpoint writes, the step bar and the
+    model summary."""
     check_trainer_types(cfg.trainer)
     quiet_lightning()
-    callbacks = list(callbacks)
-    if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
-        callbacks.append(StepProgressBar())
+    callbacks = console_callbacks(cfg.trainer, callbacks)  # the step bar and the compact model summary
     extra = {}
     if cfg.trainer.get("accelerator") != "tpu" and "plugins" not in cfg.trainer:
         extra["plugins"] = [AtomicCheckpointIO()]
@@ -199,6 +198,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
             metrics.update({k: float(v) for k, v in evaluator.callback_metrics.items()})
             if ckpt:
                 metrics["ckpt_path"] = ckpt  # type: ignore[assignment]
+        record_attention_backends(module, loggers, metrics)
         return metrics
     except NonFiniteError as exc:
         exc.kept = resume_advice(output_dir / "checkpoints")  # its loss and max |w|; warns if already diverging
@@ -211,6 +211,17 @@ def train(cfg: DictConfig) -> dict[str, float]:
         raise SystemExit(143) from None
     finally:
         close_loggers()
+
+
+def record_attention_backends(module: L.LightningModule, loggers: list[Logger], metrics: dict) -> None:
+    """Record which backend (``attention.backend``, ``ops.dispatch``) each attention layer ran on: one line in
+    ``metrics`` (``attention/backend``, so in ``metrics.json``) and the per-layer dict in every logger's config."""
+    summary = backend_summary(module)
+    if summary is None:  # nothing ran in this process (e.g. a spawned fit without a final evaluation)
+        return
+    metrics["attention/backend"] = summary
+    for logger in loggers:
+        logger.log_hyperparams({"attention_backend": attention_backends(module)})
 
 
 def reset_metrics(module: L.LightningModule) -> None:
