@@ -333,7 +333,8 @@ class _CausalKernelAttention(torch.autograd.Function):
             out, carry = _tile_forward(fq, fk, vals, carry, C, None if blocks is None else tiles.blocks(blocks, start))
             out = out[:, :T]
             den[:, start : start + T] = out[..., D]
-            torch.div(out[..., :D], out[..., D:], out=out_rows.view(N, L, D)[:, start : start + T])
+            # in place on the view, not out= a strided view: torch.compile traces it (out= breaks the graph)
+            out_rows.view(N, L, D)[:, start : start + T].copy_(out[..., :D]).div_(out[..., D:])
         if offset is not None:  # saved states and normalizers in the units of the final (largest) offset
             for i, start in enumerate(tiles.starts()):
                 factor = torch.exp(offsets[i] - offset)
@@ -363,7 +364,7 @@ class _CausalKernelAttention(torch.autograd.Function):
                 vals[:, :T].mul_(scale)
             grads = torch.empty_like(vals)  # d loss / d [num, den]
             grads[:, T:] = 0
-            torch.div(_rows(grad_out, start, stop, acc), den[:, start:stop].unsqueeze(-1), out=grads[:, :T, :D])
+            grads[:, :T, :D].copy_(_rows(grad_out, start, stop, acc)).div_(den[:, start:stop].unsqueeze(-1))
             grads[:, :T, D] = -(grads[:, :T, :D] * _rows(out_rows, start, stop, acc)).sum(-1)
             g_fq, g_fk, g_vals, later = _tile_backward(fq, fk, vals, grads, tiles.blocks(blocks, start), carries[i],
                                                        later, C)
