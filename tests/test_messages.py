@@ -133,3 +133,28 @@ def test_every_checkpoint_carries_the_guards_recent_losses(make_cfg, tmp_path):
     train(make_cfg(["trainer.max_steps=3", "test=false"]))
     info = checkpoint_health(tmp_path / "checkpoints" / "last.ckpt")
     assert info["step"] == 3 and 0 < info["loss"] < 10 and info["diverging"] is False and info["max_abs_weight"] > 0
+
+
+def test_an_unwritable_checkpoints_folder_reports_the_primary_failure(make_cfg, tmp_path):
+    """checkpoints/ stops being a writable folder mid-run: the error is the failed last.ckpt save that stopped
+    training, not the follow-up failure to write interrupted.ckpt."""
+    import shutil
+
+    from longseq import runner
+
+    class BreakFolder(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if trainer.global_step == 3:
+                shutil.rmtree(tmp_path / "checkpoints")
+                (tmp_path / "checkpoints").write_text("not a folder")
+
+    cfg = make_cfg(["trainer.max_steps=6", "callbacks.model_checkpoint.every_n_train_steps=2"])
+    original = runner.instantiate_group
+    runner.instantiate_group = lambda group: original(group) + ([BreakFolder()] if group is cfg.get("callbacks") else [])
+    try:
+        with pytest.raises(Exception) as info:
+            train(cfg)
+    finally:
+        runner.instantiate_group = original
+    assert error_summary(info.value).startswith(f"error: {tmp_path / 'checkpoints' / 'last.ckpt'}: could not write this "
+                                                "checkpoint at step 4 (FileExistsError: ")

@@ -89,4 +89,8 @@ class RunCheckpoint(ModelCheckpoint):
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
         if not all_finite(trainer.lightning_module):
             raise NonFiniteError("weights", trainer.global_step, f"{Path(filepath).name} not written")
-        super()._save_checkpoint(trainer, filepath)
+        try:
+            super()._save_checkpoint(trainer, filepath)
+        except OSError as error:  # a full or unwritable checkpoints/: name the file and the step, keep the cause
+            raise OSError(error.errno, f"could not write this checkpoint at step {trainer.global_step} "
+                                       f"({type(error).__name__}: {error})", str(filepath)) from error

@@ -62,5 +62,11 @@ class InterruptedCheckpoint(Callback):
             return
         if isinstance(exception, NonFiniteError):
             return
-        trainer.save_checkpoint(self.path)
+        try:
+            trainer.save_checkpoint(self.path)
+        except Exception as error:  # noqa: BLE001 - the failure that stopped fit is the one to report, not this one
+            # (an unwritable or full checkpoints/ fails both; raising here would hide the primary failure)
+            log.error(f"could not write {self.path} ({type(error).__name__}: {error}) after the failure that "
+                      f"stopped training: {type(exception).__name__}: {exception}")
+            return
         log.info(f"saved {self.path} at step {trainer.global_step} ({type(exception).__name__})")

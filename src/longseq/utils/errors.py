@@ -79,11 +79,13 @@ def key_and_message(exc: BaseException) -> tuple[str, str] | None:
     The project's messages name the dotted key the user typed (``attention.window must be ...``,
     ``task.batch_size=3 (global batch) ...``); this reads it back so the console line is
     ``error: <key>: <message>`` whatever the exception type (``AttentionConfigError``, ``ValueError``,
-    ``FileNotFoundError`` ...). ``exc.config_key`` (set by ``name_user_key``) wins over the message. None when
+    ``FileNotFoundError`` ...); an ``OSError`` with a file name is ``(path, reason)``. ``exc.config_key`` (set by ``name_user_key``) wins over the message. None when
     no key is named (the caller then prints the type name).
     """
     message = str(exc.args[0]) if len(exc.args) == 1 and isinstance(exc.args[0], str) else str(exc)
     forced = getattr(exc, "config_key", None)
+    if isinstance(exc, OSError) and exc.filename and exc.strerror and forced is None:
+        return str(exc.filename), str(exc.strerror)  # the file form: ``error: <path>: <what failed>``
     if not isinstance(exc, USER_ERRORS) and forced is None:
         return None
     match = _NOT_ACCEPTED.match(message)
