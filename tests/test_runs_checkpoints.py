@@ -55,7 +55,7 @@ def preflight_error(argv: list[str], capsys) -> str:
     with pytest.raises(SystemExit) as stop:
         preflight(["train.py", *argv], CONF, "train")
     assert stop.value.code == 1
-    return capsys.readouterr().err.strip().splitlines()[0]
+    return next(line for line in capsys.readouterr().err.splitlines() if line.startswith("error: "))
 
 
 def test_missing_ckpt_path_fails_before_a_run_dir(tmp_path, capsys):
