@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from longseq.utils.checkpoint import OVERRIDES_FILE, checkpoint_step, newest_checkpoint, resolve_ckpt_path, run_dir_of
 from longseq.utils.console import full_errors, report_and_exit
 from longseq.utils.errors import ConfigError
-from longseq.utils.rundir import describe, live_holder
+from longseq.utils.rundir import describe, live_holder, rank_zero
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,8 @@ def preflight(argv: list[str], config_dir: Path, config_name: str = "train") -> 
     """
     from hydra._internal.utils import get_args_parser
 
+    if not rank_zero():  # a DDP rank re-launched by Lightning: its rank 0 already did this (argv is the result)
+        return argv
     args, _ = get_args_parser().parse_known_args(argv[1:])
     if args.multirun or args.cfg or args.info or args.help or args.hydra_help or args.shell_completion:
         return argv
