@@ -49,6 +49,7 @@ from torch.nn.attention.flex_attention import (
 
 from longseq.attention.base import Attention, AttentionConfigError
 from longseq.attention.ops.geometry import num_log_levels
+from longseq.attention.ops.masks import NEG_INF
 from longseq.attention.ops.partition import Partition
 
 TILE = 128  # FlexAttention's default tile (queries x keys); ``tile_size`` shrinks it for short sequences
@@ -83,16 +84,28 @@ class FlexPlan:
             ``(B, H, R, Dv)`` from scaled queries, keys and values in sequence order; ``real`` ``(B, L)`` bool
             (True = real key) or None; ``occupied`` ``(B, R)`` bool (the region holds a real key) or None.
         members: ``members() -> (R, L)`` bool, the positions (sequence order) each summary pools (tests only).
+        anchors: ``anchors() -> (R,)`` long, the position whose own query summarizes each region (row-major axial),
+            None for pooled regions (tests only).
         heads: how many heads the mask distinguishes (BigBird's per-head random blocks; 1 = shared).
+        family: ``Partition.family`` of the call's regions (1 = horizontal; tests only).
+
+    ``direct=None``: the call has no direct keys; its KV is the R summaries alone.
     """
 
-    direct: Callable
+    direct: Callable | None
     order: torch.Tensor | None = None
     n_regions: int = 0
     usable: Callable | None = None
     summaries: Callable | None = None
     members: Callable | None = None
+    anchors: Callable | None = None
     heads: int = 1
+    family: int = 0
+
+    def kv_len(self, L: int, direct_only: bool = False) -> int:
+        """KV length of the call: [L keys ;] R summaries (the keys alone with ``direct_only``)."""
+        keys = L if self.direct is not None else 0
+        return keys if direct_only else keys + self.n_regions
 
     def mask_mod(self, L: int, real: torch.Tensor | None = None, occupied: torch.Tensor | None = None,
                  direct_only: bool = False) -> Callable:
@@ -100,18 +113,21 @@ class FlexPlan:
         order) and ``occupied`` ``(B, R)`` the per-document padding masks; ``direct_only`` drops the summaries."""
         R = 0 if direct_only else self.n_regions
         direct, usable = self.direct, self.usable
+        keys = L if direct is not None else 0
 
         def mask_mod(b, h, q, kv):
-            key = kv.clamp(max=L - 1)
-            ok = direct(h, q, key) & (kv < L)
-            if real is not None:
-                ok = ok & real[b, key]
+            ok = None
+            if keys:
+                key = kv.clamp(max=L - 1)
+                ok = direct(h, q, key) & (kv < L)
+                if real is not None:
+                    ok = ok & real[b, key]
             if R:
-                region = (kv - L).clamp(min=0, max=R - 1)
-                use = usable(h, q, region) & (kv >= L)
+                region = (kv - keys).clamp(min=0, max=R - 1)
+                use = usable(h, q, region) & (kv >= keys)
                 if occupied is not None:
                     use = use & occupied[b, region]
-                ok = ok | use
+                ok = use if ok is None else ok | use
             return ok
 
         return mask_mod
@@ -204,10 +220,9 @@ def block_mask_of(attn: Attention, index: int, plan: FlexPlan, L: int, device, t
         if pad is not None:
             real = ~pad.to(device=device, dtype=torch.bool)
             real = real if plan.order is None else real[:, plan.order]
-        R = 0 if direct_only else plan.n_regions
         B = 1 if pad is None else pad.shape[0]
         mask_mod = plan.mask_mod(L, real, occupied if pad is not None else None, direct_only)
-        cache[key] = build_block_mask(mask_mod, B, plan.heads, L, L + R, device, tile)
+        cache[key] = build_block_mask(mask_mod, B, plan.heads, L, plan.kv_len(L, direct_only), device, tile)
     return cache[key]
 
 
@@ -251,8 +266,10 @@ def flex_attention_forward(attn: Attention, q: torch.Tensor, k: torch.Tensor, v:
             if occupied is not None:  # a region without a real key is masked; its NaN-free zeros keep 0 * v finite
                 empty_region = ~occupied[:, None, :, None]
                 k_bar, v_bar = k_bar.masked_fill(empty_region, 0.0), v_bar.masked_fill(empty_region, 0.0)
-            keys, values = _in_order(k, plan), _in_order(v, plan)
-            keys, values = torch.cat([keys, k_bar.to(k.dtype)], -2), torch.cat([values, v_bar.to(v.dtype)], -2)
+            keys, values = k_bar.to(k.dtype), v_bar.to(v.dtype)
+            if plan.direct is not None:
+                keys = torch.cat([_in_order(k, plan), keys], -2)
+                values = torch.cat([_in_order(v, plan), values], -2)
         else:
             keys, values = _in_order(k, plan), _in_order(v, plan)
         mask = block_mask_of(attn, index, plan, L, q.device, tile, pad, occupied)
@@ -265,6 +282,8 @@ def flex_attention_forward(attn: Attention, q: torch.Tensor, k: torch.Tensor, v:
         if bool(empty.any()):
             fallback = []
             for index, plan in enumerate(plans):
+                if plan.direct is None:
+                    continue
                 mask = block_mask_of(attn, index, plan, L, q.device, tile, direct_only=True)
                 o, l_ = _flex(_in_order(qs, plan), _in_order(k, plan), _in_order(v, plan), mask)
                 fallback.append((_to_sequence(o, plan), _to_sequence(l_.unsqueeze(-1), plan).squeeze(-1)))
@@ -300,22 +319,28 @@ def flex_partition(attn: Attention, L: int, head: int = 0) -> Partition:
     """The union of the flex calls' ``create_mask``s at length L as one dense ``Partition`` (sequence order; small
     L, tests): direct sets from the key columns, one region per summary column (``FlexPlan.members``)."""
     direct = torch.zeros(L, L, dtype=torch.bool)
-    members, usable = [], []
+    members, usable, anchors, families = [], [], [], []
     for plan in plans_of(attn, L, "cpu", tile_size(L)):
-        mask = create_mask(plan.mask_mod(L), 1, plan.heads, L, L + plan.n_regions, "cpu")[0]  # (heads, L, L + R)
+        mask = create_mask(plan.mask_mod(L), 1, plan.heads, L, plan.kv_len(L), "cpu")[0]  # (heads, L, KV)
         mask = mask[min(head, plan.heads - 1)]
         order = torch.arange(L) if plan.order is None else plan.order.cpu()
-        block = torch.zeros(L, L, dtype=torch.bool)
-        block[order.unsqueeze(1), order.unsqueeze(0)] = mask[:, :L]
-        direct |= block
+        keys = L if plan.direct is not None else 0
+        if keys:
+            block = torch.zeros(L, L, dtype=torch.bool)
+            block[order.unsqueeze(1), order.unsqueeze(0)] = mask[:, :L]
+            direct |= block
         if plan.n_regions:
             use = torch.zeros(L, plan.n_regions, dtype=torch.bool)
-            use[order] = mask[:, L:]
+            use[order] = mask[:, keys:]
             usable.append(use)
             members.append(plan.members().cpu())
+            anchors.append(torch.full((plan.n_regions,), -1, dtype=torch.long) if plan.anchors is None
+                           else plan.anchors().cpu())
+            families.append(torch.full((plan.n_regions,), plan.family, dtype=torch.long))
     if not members:
         return Partition.direct_only(direct)
-    return Partition.from_candidates(direct, torch.cat(members), torch.cat(usable, 1))
+    members = torch.cat(members)
+    return Partition.from_candidates(direct, members, torch.cat(usable, 1), torch.cat(families), torch.cat(anchors))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -607,7 +632,166 @@ def _layout_random(attn, L, device, tile):
     return _pattern_plan(direct)
 
 
+def _grid_views(grid, qs, k, v, real):
+    """Row layouts ``(B, H, n, m, .)`` of scaled q, k, v and ``real`` ``(B or 1, 1, n, m)`` bool (all True unpadded)."""
+    rows = [x.unflatten(-2, (grid.n_rows, grid.n_cols)) for x in (qs, k, v)]
+    if real is None:
+        real = torch.ones(1, 1, grid.n_rows, grid.n_cols, dtype=torch.bool, device=qs.device)
+    else:
+        real = real.view(-1, 1, grid.n_rows, grid.n_cols)
+    return rows, real
+
+
+def _column_major(x: torch.Tensor) -> torch.Tensor:
+    """``(..., n, m, .)`` row layout -> ``(..., m * n, .)`` in column order (index ``c * n + r``)."""
+    return x.transpose(-3, -2).flatten(-3, -2)
+
+
+def _interleave(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
+    """Summaries of two region kinds per slot along ``dim`` (>= 0), side by side: index ``2 * slot + kind`` (one
+    tile of slots, not two bands)."""
+    return torch.stack([a, b], dim + 1).flatten(dim, dim + 1)
+
+
+def _layout_combiner_axial(attn, L, device, tile):
+    """Row-major Combiner-Axial: own row in sequence order; in column order, the summaries of the other (earlier)
+    rows seen from the query's own column (region = row r' summarized by the anchor query (r', c)), merged by
+    log-sum-exp. The column call has no direct keys: its KV is the L anchored summaries in column order."""
+    grid = attn.grid(L)
+    n, m, causal = grid.n_rows, grid.n_cols, attn.causal
+
+    def own_row(h, q, kv):
+        same = (q // m) == (kv // m)
+        return same & (kv <= q) if causal else same
+
+    def summaries(qs, k, v, real):
+        (qr, kr, vr), real_r = _grid_views(grid, qs, k, v, real)
+        logits = qr @ kr.transpose(-1, -2)  # (B, H, n, m[c], m[c']): anchor (r', c) attends its row r'
+        pad = ~real_r.unsqueeze(-2)  # (B, 1, n, 1, m)
+        empty_row = pad.all(-1, keepdim=True)  # its regions are masked; any finite inner row will do
+        probs = logits.masked_fill(pad & ~empty_row, NEG_INF).softmax(-1)
+        summary_v = probs @ vr
+        summary_k = attn.summary_keys(summary_v, kr, probs @ kr if attn.row_summary == "wsum" else None)
+        if real is not None:  # a padded anchor's summary is made by its row's first real position (ops.padding)
+            cols = torch.arange(m, device=qs.device)
+            real_rows = real_r[:, 0]
+            anchor = torch.where(real_rows, cols, real_rows.int().argmax(-1, keepdim=True))  # (B, n, m)
+            summary_v, summary_k = (x.gather(3, anchor[:, None, :, :, None].expand_as(x)) for x in (summary_v, summary_k))
+        occupied = real_r[:, 0].any(-1, keepdim=True).expand(-1, n, m)  # (B, n[r'], m[c])
+        return _column_major(summary_k), _column_major(summary_v), _column_major(occupied.unsqueeze(-1)).squeeze(-1)
+
+    order = _column_order(grid, device)
+
+    def anchors():
+        return order
+
+    def members():
+        rows = grid.rows(device)
+        return rows[order].unsqueeze(1) == rows.unsqueeze(0)
+
+    return [FlexPlan(own_row),
+            FlexPlan(None, order, L, _own_column(n, causal), summaries, members, anchors)]
+
+
+def _layout_pooled_axial(attn, L, device, tile):
+    """``combiner_axial_vertical`` / ``_horizontal`` / ``combiner_mixture`` (one joint softmax): in sequence order the
+    own row and the vertical regions of the query's row (column c' above / below row r: slots ``(r, c')``
+    row-major); in column order the own column and the horizontal regions of the query's column (row r' without
+    column c, or its halves left / right of c: slots ``(r', c)`` column-major); merged by log-sum-exp. Summaries:
+    the variant's running / excluding-own pools and inner softmaxes (``padded_*_summaries``, real = every key when
+    unpadded)."""
+    grid = attn.grid(L)
+    n, m, causal = grid.n_rows, grid.n_cols, attn.causal
+    vertical, horizontal = attn.use_vertical, attn.horizontal_regions
+    order = _column_order(grid, device)
+    rows, cols = grid.rows(device), grid.cols(device)
+
+    def own_row(h, q, kv):
+        same = (q // m) == (kv // m)
+        return same & (kv <= q) if causal else same
+
+    plans = []
+    if vertical:  # slots (r, c') row-major; bidirectional: (above, below) interleaved
+        v_kinds = 1 if causal else 2
+
+        def usable_vertical(h, q, s):
+            slot, kind = s // v_kinds, s % v_kinds
+            ok = (slot // m == q // m) & (slot % m != q % m)
+            r = q // m
+            return ok & torch.where(kind == 0, r >= 1, r <= n - 2)  # the column above / below row r is not empty
+
+        def summaries_vertical(qs, k, v, real):
+            (qr, kr, vr), real_r = _grid_views(grid, qs, k, v, real)
+            qc, kc, vc = (x.transpose(2, 3) for x in (qr, kr, vr))  # (B, H, m, n, .): columns
+            real_c = real_r.transpose(2, 3)
+            parts = [attn.padded_prefix_summaries(qc, kc, vc, real_c)]  # column c' above row r, at (c', r)
+            if not causal:
+                parts.append(attn.padded_prefix_summaries(qc, kc, vc, real_c, reverse=True))  # below
+            outs = [[x.transpose(2, 3).flatten(2, 3) for x in part[:2]] + [part[2][:, 0].transpose(-1, -2).flatten(-2, -1)]
+                    for part in parts]
+            if causal:
+                return tuple(outs[0])
+            return (_interleave(outs[0][0], outs[1][0], dim=2), _interleave(outs[0][1], outs[1][1], dim=2),
+                    _interleave(outs[0][2], outs[1][2], dim=1))
+
+        def members_vertical():
+            slot = torch.arange(L * v_kinds, device=device) // v_kinds
+            kind = torch.arange(L * v_kinds, device=device) % v_kinds
+            r, c = (slot // m).unsqueeze(1), (slot % m).unsqueeze(1)
+            side = torch.where(kind.unsqueeze(1) == 0, rows.unsqueeze(0) < r, rows.unsqueeze(0) > r)
+            return (cols.unsqueeze(0) == c) & side
+
+        plans.append(FlexPlan(own_row, None, L * v_kinds, usable_vertical, summaries_vertical, members_vertical))
+    else:
+        plans.append(FlexPlan(own_row))
+
+    own_column = _own_column(n, causal)
+    if horizontal is None:
+        plans.append(FlexPlan(own_column, order))
+        return plans
+    h_kinds = 2 if horizontal == "split" else 1
+
+    def usable_horizontal(h, t, s):  # column order: query t = c * n + r, slot = c * n + r'
+        slot, kind = s // h_kinds, s % h_kinds
+        ok = own_column(h, t, slot)
+        c = t // n
+        if horizontal == "split":
+            return ok & torch.where(kind == 0, c >= 1, c <= m - 2)  # the left / right half is not empty
+        return ok & (m > 1)  # the row without column c
+
+    def summaries_horizontal(qs, k, v, real):
+        (qr, kr, vr), real_r = _grid_views(grid, qs, k, v, real)
+        if horizontal == "split":  # row r' left / right of column c, at (r', c)
+            parts = [attn.padded_prefix_summaries(qr, kr, vr, real_r),
+                     attn.padded_prefix_summaries(qr, kr, vr, real_r, reverse=True)]
+        else:
+            parts = [attn.padded_excluding_own_summaries(qr, kr, vr, real_r)]
+        outs = [[_column_major(x) for x in part[:2]] + [_column_major(part[2][:, 0].unsqueeze(-1)).squeeze(-1)]
+                for part in parts]
+        if h_kinds == 1:
+            return tuple(outs[0])
+        return (_interleave(outs[0][0], outs[1][0], dim=2), _interleave(outs[0][1], outs[1][1], dim=2),
+                _interleave(outs[0][2], outs[1][2], dim=1))
+
+    def members_horizontal():
+        s = torch.arange(L * h_kinds, device=device)
+        position = order[s // h_kinds]  # the slot's (r', c)
+        r, c = rows[position].unsqueeze(1), cols[position].unsqueeze(1)
+        same_row = rows.unsqueeze(0) == r
+        if horizontal == "split":
+            return same_row & torch.where((s % h_kinds).unsqueeze(1) == 0, cols.unsqueeze(0) < c, cols.unsqueeze(0) > c)
+        return same_row & (cols.unsqueeze(0) != c)
+
+    plans.append(FlexPlan(own_column, order, L * h_kinds, usable_horizontal, summaries_horizontal, members_horizontal,
+                          family=1))
+    return plans
+
+
 LAYOUTS: dict[str, Callable[..., list[FlexPlan]]] = {
+    "combiner_axial": _layout_combiner_axial,
+    "combiner_axial_vertical": _layout_pooled_axial,
+    "combiner_axial_horizontal": _layout_pooled_axial,
+    "combiner_mixture": _layout_pooled_axial,
     "combiner_fixed": _layout_combiner_fixed,
     "combiner_logsparse": _layout_combiner_logsparse,
     "fixed": _layout_fixed,
@@ -621,6 +805,9 @@ LAYOUTS: dict[str, Callable[..., list[FlexPlan]]] = {
 }
 
 # Configurations of a supported variant that have no layout (name -> check returning a reason or None).
-UNSUPPORTED_CONFIG: dict[str, Callable[[Attention], str | None]] = {}
+UNSUPPORTED_CONFIG: dict[str, Callable[[Attention], str | None]] = {
+    "combiner_mixture": lambda attn: None if attn.plans == "joint" else (
+        "attention.plans=average (two separately normalized plans) has no flex layout; plans=joint has"),
+}
 
 __all__ = ["flex_unsupported_reason", "flex_attention_forward", "flex_tiles_visited", "flex_partition", "FlexPlan"]
