@@ -38,7 +38,7 @@ def test_backbone_shapes_and_causality(pos_emb, shape):
 
 def test_backbone_rejects_bad_options():
     with pytest.raises(ValueError, match="model.pos_emb"):
-        tiny("rotary")
+        tiny("alibi")  # not an option (rotary is, model.pos_emb=rotary)
     with pytest.raises(ValueError, match="task.image_shape"):
         tiny("image", (3, 3, 3))
     with pytest.raises(ValueError, match="model.n_heads"):

@@ -257,3 +257,74 @@ def test_nsa_learned_parts_receive_gradients():
 def test_nsa_rejects_impossible_knobs_naming_them(knobs, message):
     with pytest.raises(AttentionConfigError, match=message):
         nsa(True, **knobs)
+
+
+# -- rotary positions (model.pos_emb=rotary) ----------------------------------------------------------------------
+def rotary_model(name: str, **knobs):
+    """A one-layer fp64 transformer with rotary positions over attention ``name`` (its YAML on a 16-token task)."""
+    from conftest import CONF
+    from omegaconf import OmegaConf
+
+    from longseq.models.transformer import Transformer
+
+    task = {"causal": True, "seq_len": 16, "block_size": 4, "n_clusters": 4}
+    root = OmegaConf.create({"task": task, "attention": OmegaConf.load(CONF / "attention" / f"{name}.yaml"),
+                             "partition": {"name": "fixed", "block_size": 4}})
+    spec = {**OmegaConf.to_container(root.attention, resolve=True), "causal": True, **knobs}
+    return Transformer(vocab_size=11, seq_len=16, n_layers=1, d_model=16, n_heads=2, attention=spec,
+                       pos_emb="rotary").double().eval()
+
+
+def test_rotary_logits_depend_on_the_offset_only():
+    from longseq.models.transformer import Rotary
+
+    rotary = Rotary(8, 32).double()
+    q, k = random_qkv(B=1, H=1, L=1, D=8)[:2]
+
+    def dot(i, j):
+        return (rotary(q.expand(1, 1, 32, 8))[..., i, :] * rotary(k.expand(1, 1, 32, 8))[..., j, :]).sum()
+    torch.testing.assert_close(dot(9, 4), dot(25, 20), atol=1e-6, rtol=0)  # the angle tables are fp32
+    assert not torch.allclose(dot(9, 4), dot(9, 5))
+
+
+def causal_names() -> list[str]:
+    from longseq.attention import ATTENTION_REGISTRY
+
+    return sorted(n for n in ATTENTION_REGISTRY if ATTENTION_REGISTRY[n].cls.supports_causal)
+
+
+@pytest.mark.parametrize("name", causal_names())
+def test_rotary_composes_with_every_attention_and_rotates_q_and_k_before_it(name):
+    model = rotary_model(name)
+    seen = {}
+    attn = model.blocks[0].attn
+    attn.attention.register_forward_pre_hook(lambda module, args: seen.update(q=args[0], k=args[1]))
+    tokens = torch.randint(0, 11, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(tokens)
+        plain = model.blocks[0].norm1(model.token(tokens))  # rotary adds nothing to the embeddings
+        q, k, _ = attn.qkv(plain).view(2, 16, 3, 2, 8).permute(2, 0, 3, 1, 4)
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(seen["q"], attn.rotary(q), atol=1e-12, rtol=0)
+    torch.testing.assert_close(seen["k"], attn.rotary(k), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["full", "moba", "nsa", "combiner_select", "combiner_fixed"])
+def test_rotary_decoding_equals_forward(name):
+    """Prefill + steps rotate each new position by its own index: logits equal ``forward``'s."""
+    model = rotary_model(name)
+    tokens = torch.randint(0, 11, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(tokens)
+        state = model.new_decoding_state(2)
+        out = [model.prefill(tokens[:, :5], state)] + [model.step(tokens[:, t], state)[:, None] for t in range(5, 16)]
+    torch.testing.assert_close(torch.cat(out, 1), expected, atol=1e-9, rtol=0)
+
+
+def test_rotary_needs_an_even_head_width():
+    from longseq.models.transformer import Transformer
+    from longseq.utils.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="model.pos_emb.*even head width"):
+        Transformer(vocab_size=11, seq_len=16, n_layers=1, d_model=6, n_heads=2, attention={"name": "full", "causal": True},
+                    pos_emb="rotary")

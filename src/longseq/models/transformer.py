@@ -13,7 +13,7 @@ from torch import nn
 from longseq.attention import build_attention
 from longseq.utils.errors import ConfigError
 
-POS_EMBEDDINGS = ("learned", "sinusoidal", "image", "none")
+POS_EMBEDDINGS = ("learned", "sinusoidal", "image", "rotary", "none")
 
 
 def check_positive_int(key: str, value: Any) -> int:
@@ -46,10 +46,36 @@ def check_backbone_sizes(vocab_size: Any, seq_len: Any, n_layers: Any, d_model: 
         raise ConfigError("model.n_heads", f"model.d_model={d_model} must be divisible by model.n_heads={n_heads}")
 
 
-class MultiHeadAttention(nn.Module):
-    """Projects ``(B, L, d_model)`` to per-head q, k, v ``(B, H, L, D)``, applies a registered attention."""
+class Rotary(nn.Module):
+    """Rotary position embeddings (RoFormer, Su et al. 2021; ``model.pos_emb=rotary``): each head's q and k are
+    rotated pairwise (channels d and d + D/2) by angles ``position * 10000^(-2d/D)``, so ``q_i . k_j`` depends on
+    the offset i - j. Applied in every layer to the per-head q and k before any attention sees them (before
+    Combiner's pooling, k-means routing or block scoring), so it composes with every registered attention.
+    ``forward(x (B, H, T, D), start)`` rotates positions ``start .. start + T - 1``."""
 
-    def __init__(self, d_model: int, n_heads: int, seq_len: int, attention: Mapping[str, Any], attn_dropout: float) -> None:
+    def __init__(self, head_dim: int, seq_len: int, base: float = 10000.0) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ConfigError("model.pos_emb", f"rotary needs an even head width model.d_model / model.n_heads, "
+                                               f"got {head_dim}")
+        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        angles = torch.arange(seq_len, dtype=torch.float64).unsqueeze(1) * inv_freq  # (L, D / 2)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        T = x.shape[-2]
+        cos, sin = (t[start : start + T].to(x.dtype) for t in (self.cos, self.sin))
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class MultiHeadAttention(nn.Module):
+    """Projects ``(B, L, d_model)`` to per-head q, k, v ``(B, H, L, D)``, applies a registered attention; with
+    ``rotary``, q and k are rotated (``Rotary``) before the attention."""
+
+    def __init__(self, d_model: int, n_heads: int, seq_len: int, attention: Mapping[str, Any], attn_dropout: float,
+                 rotary: bool = False) -> None:
         super().__init__()
         if d_model % n_heads:  # checked with every size by check_backbone_sizes; kept for direct use of the layer
             raise ConfigError("model.n_heads", f"model.d_model={d_model} must be divisible by model.n_heads={n_heads}")
@@ -61,11 +87,15 @@ class MultiHeadAttention(nn.Module):
         self.attention = build_attention(
             name, seq_len=seq_len, n_heads=n_heads, head_dim=self.head_dim, dropout=attn_dropout, **spec
         )
+        self.rotary = Rotary(self.head_dim, seq_len) if rotary else None
 
-    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(B, T, d_model) -> per-head q, k, v, each (B, H, T, D), unscaled."""
+    def heads(self, x: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, T, d_model) at positions ``start ..`` -> per-head q, k, v, each (B, H, T, D), unscaled."""
         B, T, _ = x.shape
-        return self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        if self.rotary is not None:
+            q, k = self.rotary(q, start), self.rotary(k, start)
+        return q, k, v
 
     def merge(self, y: torch.Tensor) -> torch.Tensor:
         """(B, H, T, D) attention outputs -> (B, T, d_model) through the output projection."""
@@ -85,7 +115,7 @@ class MultiHeadAttention(nn.Module):
     def decode(self, x: torch.Tensor, state: Any, step: bool) -> torch.Tensor:
         """(B, T, d_model) for the next T positions -> (B, T, d_model), through the attention's decoding
         ``state``: ``attention.step`` for one new position (``step``), else ``attention.prefill``."""
-        q, k, v = self.heads(x)
+        q, k, v = self.heads(x, state.length)  # the attention state counts the positions consumed so far
         return self.merge((self.attention.step if step else self.attention.prefill)(state, q, k, v))
 
 
@@ -135,11 +165,12 @@ class Block(nn.Module):
     q, k and v all see the same short causal mix."""
 
     def __init__(self, d_model: int, n_heads: int, mlp_ratio: float, dropout: float, attn_dropout: float,
-                 seq_len: int, attention: Mapping[str, Any], short_conv: int | None = None) -> None:
+                 seq_len: int, attention: Mapping[str, Any], short_conv: int | None = None,
+                 rotary: bool = False) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(d_model)
         self.short_conv = ShortConv(d_model, short_conv) if short_conv else None
-        self.attn = MultiHeadAttention(d_model, n_heads, seq_len, attention, attn_dropout)
+        self.attn = MultiHeadAttention(d_model, n_heads, seq_len, attention, attn_dropout, rotary)
         self.norm2 = nn.LayerNorm(d_model)
         hidden = int(mlp_ratio * d_model)
         self.mlp = nn.Sequential(
@@ -226,7 +257,8 @@ class Transformer(nn.Module):
         n_layers, d_model, n_heads, mlp_ratio: sizes (``model.*``).
         dropout: residual/MLP/embedding dropout; ``attn_dropout`` goes to the attention weights.
         attention: ``{"name": <registry name>, **knobs}`` from ``conf/attention``.
-        pos_emb: ``learned`` (1D), ``sinusoidal`` (1D fixed), ``image`` (row/column/channel) or ``none``.
+        pos_emb: ``learned`` (1D), ``sinusoidal`` (1D fixed), ``image`` (row/column/channel), ``rotary`` (q and k
+            rotated in every layer, ``Rotary``; nothing added to the embeddings) or ``none``.
         image_shape: ``(H, W, C)``, required for ``pos_emb=image``.
         out_dim: head width (defaults to ``vocab_size``: next-token logits).
         short_conv: kernel size of a short causal depthwise convolution before each attention (``ShortConv``;
@@ -265,7 +297,8 @@ class Transformer(nn.Module):
             self.pos = ImagePositionEmbedding(tuple(image_shape), d_model)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(
-            Block(d_model, n_heads, mlp_ratio, dropout, attn_dropout, seq_len, attention, short_conv)
+            Block(d_model, n_heads, mlp_ratio, dropout, attn_dropout, seq_len, attention, short_conv,
+                  rotary=pos_emb == "rotary")
             for _ in range(n_layers)
         )
         self.norm = nn.LayerNorm(d_model)
@@ -275,7 +308,7 @@ class Transformer(nn.Module):
         """(length, d_model) position embeddings of positions ``start .. start + length - 1`` (or 0.0)."""
         if self.pos_emb == "image":
             return self.pos(length, start)
-        if self.pos_emb == "none":
+        if self.pos_emb in ("none", "rotary"):  # rotary positions live in the attention layers
             return 0.0
         return self.pos[start : start + length]
 
