@@ -18,13 +18,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, compose_config
+import lightning as L
+from conftest import CONF, FAST, ROOT, compose_config
 from omegaconf import OmegaConf
 
+from longseq import runner
 from longseq.utils import rundir
 from longseq.utils.checkpoint import resolve_ckpt_path, save_atomically
 from longseq.utils.errors import ConfigError
-from longseq.utils.resume import replay
+from longseq.utils.resume import preflight, replay, resume_requeued
 
 TINY = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "trainer.limit_val_batches=1",
         "trainer.limit_test_batches=1", "extras.print_config=false", "trainer.enable_progress_bar=false",
@@ -164,6 +166,7 @@ def test_replay_puts_the_commands_overrides_on_top_of_the_saved_ones():
                        "++trainer.gradient_clip_val=0.5 (was +trainer.gradient_clip_val=1.0)", "logger=csv (new)"]
 
 
+@pytest.mark.slow  # two CLI runs; the fast set replays in-process (test_preflight_replays_...)
 def test_ckpt_path_alone_resumes_with_the_runs_overrides_and_its_max_steps(tmp_path):
     run = tmp_path / "run"
     trained_with = [f"hydra.run.dir={run}", "trainer.max_steps=40", "optimizer.lr=0.002", "seed=7",
@@ -218,6 +221,7 @@ def test_eval_of_a_checkpoints_directory_uses_its_checkpoint(tmp_path):
 # --- requeue ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # two CLI multiruns; the fast set runs the same code path in-process (below)
 def test_a_requeued_launcher_job_resumes_in_place(tmp_path):
     """What a SLURM requeue does: the same job (same sweep dir, same overrides) starts again after a kill."""
     sweep = tmp_path / "sweep"
@@ -236,3 +240,55 @@ def test_a_requeued_launcher_job_resumes_in_place(tmp_path):
     assert not (sweep / "0" / "checkpoints" / "interrupted.ckpt").exists()
     assert json.loads((sweep / "0" / "metrics.json").read_text())["status"] == "completed"
     assert sorted(p.name for p in sweep.iterdir() if not p.name.startswith(".")) == ["0", "multirun.yaml"]
+
+
+class Crash(L.Callback):
+    """The injected fault: the job dies after optimizer step 5 (as a preempted or timed-out job does)."""
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step == 5:
+            raise RuntimeError("node lost")
+
+
+def test_requeued_job_resumes_from_its_newest_checkpoint_in_process(tmp_path, monkeypatch, caplog):
+    """train.py's path for a launcher job (resume_requeued, then runner.train), attempt after attempt."""
+    job = ["trainer.max_steps=8", "callbacks.model_checkpoint.every_n_train_steps=2", "test=false", *TINY[-2:]]
+    original = runner.instantiate_group
+    monkeypatch.setattr(runner, "instantiate_group",
+                        lambda group: original(group) + ([Crash()] if group and "model_checkpoint" in group else []))
+    cfg = compose_config(job, tmp_path)
+    assert resume_requeued(cfg, tmp_path, multirun=True).get("ckpt_path") is None  # first attempt: nothing to resume
+    with pytest.raises(RuntimeError, match="node lost"):
+        runner.train(cfg)
+    ckpts = tmp_path / "checkpoints"
+    assert (saved_step(ckpts / "last.ckpt"), saved_step(ckpts / "interrupted.ckpt")) == (4, 5)
+    monkeypatch.setattr(runner, "instantiate_group", original)
+
+    assert resume_requeued(compose_config(job, tmp_path), tmp_path, multirun=False).get("ckpt_path") is None
+    other = resume_requeued(compose_config([*job, "optimizer.lr=0.01"], tmp_path), tmp_path, multirun=True)
+    assert other.get("ckpt_path") is None and "holds checkpoints of another configuration" in caplog.text
+
+    cfg = resume_requeued(compose_config(job, tmp_path), tmp_path, multirun=True)  # the requeued attempt
+    assert cfg.ckpt_path == str(ckpts / "interrupted.ckpt")
+    runner.train(cfg)
+    assert saved_step(ckpts / "last.ckpt") == 8
+    assert not (ckpts / "interrupted.ckpt").exists()  # retired: last.ckpt is newer
+    assert json.loads((tmp_path / "metrics.json").read_text())["status"] == "completed"
+
+
+def test_preflight_replays_the_runs_overrides_under_the_commands_own(tmp_path, capsys):
+    run = tmp_path / "run"
+    small = [o for o in FAST if not o.startswith("trainer.max_steps=")]
+    trained_with = [*small, "trainer.max_steps=2", "optimizer.lr=0.002", "model.n_heads=4", "test=false"]
+    runner.train(compose_config(trained_with, run, fast=False))
+    (run / ".hydra").mkdir()
+    (run / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(trained_with))  # as Hydra records them
+    ckpt = run / "checkpoints" / "last.ckpt"
+    argv = preflight(["train.py", f"ckpt_path={ckpt}", "trainer.max_steps=5"], CONF)
+    replayed = [o for o in trained_with if o != "trainer.max_steps=2"]
+    assert argv[1:len(replayed) + 1] == replayed  # model.n_heads=4 too: without it the model would not match
+    assert argv[len(replayed) + 1:len(replayed) + 3] == ["trainer.max_steps=5", f"ckpt_path={ckpt}"]
+    assert argv[-2] == f"hydra.run.dir={run}" and argv[-1].startswith("hydra.output_subdir=.hydra/resume-")
+    err = capsys.readouterr().err
+    assert f"resume: replaying {run / '.hydra' / 'overrides.yaml'}: {' '.join(replayed)}" in err
+    assert "resume: this command changes trainer.max_steps=5 (was trainer.max_steps=2)" in err

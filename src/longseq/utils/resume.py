@@ -169,7 +169,7 @@ def same_job(saved: DictConfig, cfg: DictConfig) -> bool:
 
     def plain(node: DictConfig) -> dict:
         data = OmegaConf.to_container(node, resolve=True)
-        return {k: v for k, v in data.items() if k not in ("ckpt_path", "logger")}
+        return {k: v for k, v in data.items() if k not in ("ckpt_path", "logger", "hydra")}
 
     return plain(saved) == plain(cfg)
 
