@@ -128,9 +128,18 @@ def test_the_choice_is_logged_once_with_the_reasons(caplog):
         attn(q, k, v, key_padding_mask=padding_masks()[:2])
         attn(q, k, v, key_padding_mask=padding_masks()[:2])
     lines = [r.getMessage() for r in caplog.records if "combiner_fixed" in r.getMessage()]
-    assert len(lines) <= 1  # once per run (an earlier test may have logged this very choice already)
-    if lines:
-        assert "runs on backend explicit" in lines[0] and "cpu_flash not used because: key padding" in lines[0]
+    assert len(lines) == 1  # once per run: building the attention started one
+    assert "runs on backend explicit" in lines[0] and "cpu_flash not used because: key padding" in lines[0]
+
+
+def test_the_decision_compiles_without_graph_breaks_and_is_recorded():
+    """The dispatch point is plain Python on shapes, dtypes and flags: ``fullgraph`` tracing passes through it and
+    the record (a dict update) survives compilation."""
+    attn = build("local", True).eval()
+    compiled = torch.compile(attn, backend="eager", fullgraph=True)
+    q, k, v = random_qkv(L=L, dtype=torch.float32)
+    torch.testing.assert_close(compiled(q, k, v), attn(q, k, v))
+    assert attn.backends_used == {"explicit": "auto"}
 
 
 def test_the_choice_is_recorded_in_metrics_json(make_cfg, tmp_path):
@@ -143,3 +152,13 @@ def test_the_choice_is_recorded_in_metrics_json(make_cfg, tmp_path):
     assert metrics["attention/backend"] == record["metrics"]["attention/backend"] == "explicit"
     hparams = [p.read_text() for p in tmp_path.rglob("hparams.yaml")]
     assert any("attention_backend:" in text and "attention: explicit" in text for text in hparams), hparams
+
+
+def test_a_device_the_engine_cannot_serve_fails_at_the_call_naming_the_knob():
+    """The branch a non-CPU tensor takes, traced on the meta device: cpu_flash by name refuses, auto runs explicit."""
+    q, k, v = (torch.randn(1, 2, L, 8, device="meta") for _ in range(3))
+    with pytest.raises(AttentionConfigError, match=r"attention.backend=cpu_flash cannot run here: the CPU engine "
+                                                   r"runs on CPU tensors only, got meta"):
+        build("combiner_fixed", True, backend="cpu_flash")(q, k, v)
+    auto = build("combiner_fixed", True)
+    assert auto(q, k, v).shape == (1, 2, L, 8) and auto.backends_used.keys() == {"explicit"}

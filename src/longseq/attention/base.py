@@ -159,7 +159,9 @@ class Attention(nn.Module):
 
     def check_backend(self) -> None:
         """Fail when ``attention.backend`` names a backend this variant can never run (the registry calls this once
-        the variant is built); caches the flex layout check."""
+        the variant is built); caches the flex layout check. Building attentions starts a new run for the
+        once-per-run log of the choices (``ops.dispatch.log_choice``)."""
+        dispatch.new_run()
         self._flex_reason = (dispatch.flex_reason(self),)
         if self.backend != "auto":
             reason = dispatch.static_reason(self.backend, self.dispatch_variant())
@@ -170,8 +172,9 @@ class Attention(nn.Module):
                     key_padding_mask: torch.Tensor | None = None, *, record: bool = False) -> str:
         """The backend that computes this call (``ops.dispatch.choose``) of unscaled ``(B, H, L, D)`` q, k, v.
 
-        Raises ``AttentionConfigError`` when a backend asked for by name cannot run it. ``record``: log the choice
-        (once per run) and remember it in ``backends_used`` (skipped while ``torch.compile`` traces).
+        Raises ``AttentionConfigError`` when a backend asked for by name cannot run it. ``record``: remember the
+        choice in ``backends_used`` (also under ``torch.compile``: a dict update dynamo replays) and log it once per
+        run (not while ``torch.compile`` traces: logging would break the graph).
         """
         facts = dispatch.Facts(
             device=q.device.type,
@@ -186,9 +189,10 @@ class Attention(nn.Module):
         choice = dispatch.choose(self.backend, self.dispatch_variant(), facts)
         if choice.backend is None:
             raise AttentionConfigError(f"attention '{self.name}': {choice.refusal}")
-        if record and not torch.compiler.is_compiling():
+        if record:
             self.backends_used.setdefault(choice.backend, self.backend)
-            dispatch.log_choice(self.name, self.backend, facts, choice)
+            if not torch.compiler.is_compiling():
+                dispatch.log_choice(self.name, self.backend, facts, choice)
         return choice.backend
 
     # -- helpers ------------------------------------------------------------------------------

@@ -208,6 +208,12 @@ def flex_forward(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 _LOGGED: set[tuple] = set()
 
 
+def new_run() -> None:
+    """Forget what was logged: called whenever attentions are built (a new model, so a new run in this process,
+    e.g. the next job of a multirun); the layers of one model are all built before any of them runs."""
+    _LOGGED.clear()
+
+
 def log_choice(name: str, requested: str, facts: Facts, choice: Choice) -> None:
     """Log which backend an attention uses and why the others were not, once per run for each variant, request,
     backend and set of reasons."""
