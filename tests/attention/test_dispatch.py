@@ -40,6 +40,27 @@ def test_cpu_flash_by_name_fails_at_construction_without_a_path(name, causal):
         build(name, causal, backend="cpu_flash")
 
 
+@pytest.mark.parametrize("name,causal", CASES)
+def test_flex_by_name_builds_where_the_variant_has_a_layout_and_fails_naming_the_knob_elsewhere(name, causal):
+    reason = dispatch.flex_reason(build(name, causal))
+    if name == "full" or reason is not None:  # full stays on SDPA
+        with pytest.raises(AttentionConfigError, match=r"attention.backend=flex cannot run here: "):
+            build(name, causal, backend="flex")
+    else:
+        assert build(name, causal, backend="flex").backend == "flex"
+
+
+def test_flex_by_name_runs_flex_for_cpu_inference_and_refuses_cpu_training():
+    """The dispatch point routes to ``ops.flex`` (its equality with ``attention_matrix`` is tested in test_flex)."""
+    attn = build("combiner_fixed", True, backend="flex").double().eval()
+    q, k, v = random_qkv(L=L)
+    with torch.no_grad():
+        torch.testing.assert_close(attn(q, k, v), attn.attention_matrix(q, k, v) @ v, atol=1e-10, rtol=0)
+    assert attn.backends_used == {"flex": "flex"}
+    with pytest.raises(AttentionConfigError, match="FlexAttention has no CPU backward"):
+        attn(q.requires_grad_(), k, v)
+
+
 @pytest.mark.parametrize("name,causal", CPU_FLASH)
 def test_cpu_flash_equals_explicit(name, causal):
     """Forward and gradients of the CPU engine equal the reference paths (fp64); one module's weights and centroids
