@@ -1,4 +1,5 @@
-"""The console and the loggers of a run: progress bar, logged metrics, final samples, fdr, train=false, W&B resume."""
+"""The console and the loggers of a run: progress bar, logged metrics, final samples, fdr, train=false, W&B resume;
+every README Quick start command and debug=limit|fdr|overfit|profiler on the default task."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import subprocess
 import sys
 
 import lightning as L
+import pytest
 from conftest import ROOT, compose_config
 
 from longseq import runner
@@ -137,3 +139,75 @@ def test_wandb_run_id_is_read_from_run_dirs_with_a_same_second_suffix():
     assert runner.WANDB_RUN_DIR.match("offline-run-20261123_211251-21ava8er-1").group(1) == "21ava8er"
     assert runner.WANDB_RUN_DIR.match("run-20261123_211251-abc123").group(1) == "abc123"
     assert runner.WANDB_RUN_DIR.match("latest-run") is None
+
+
+# README commands on the default task, in-process (one torch import), at a tiny size and a few steps: the overrides
+# below come first, so each command's own overrides win (model.n_layers=6 stays 6 layers).
+TINY_RUN = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "trainer.max_steps=2",
+            "trainer.val_check_interval=2", "trainer.check_val_every_n_epoch=null", "trainer.limit_val_batches=1",
+            "trainer.limit_test_batches=1", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+            "extras.print_config=false", "callbacks.samples.n_samples=0", "callbacks.attention_maps.enabled=false"]
+
+
+def readme_quick_start() -> list[list[str]]:
+    """The commands of README's "Quick start" block, as argument lists (comments dropped)."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    return [line.split("#", 1)[0].split() for line in block.strip().splitlines() if line.strip()]
+
+
+def test_every_readme_quick_start_command_runs_on_the_default_task(tmp_path, one_thread):
+    """Each ``python train.py`` / ``eval.py`` line of the Quick start, short: training lines train and test, the
+    resume line continues the first run, the eval lines evaluate and sample its checkpoint, ``--cfg job`` composes.
+    Multirun lines (``-m``) compose here; they run end to end in ``test_readme_multirun_commands_run`` (slow)."""
+    from longseq.runner import evaluate, sample
+
+    commands = readme_quick_start()
+    assert commands[0][:2] == ["make", "install"] and len(commands) >= 12
+    first = None
+    for n, command in enumerate(commands[1:]):
+        script, args = command[1], command[2:]
+        run = tmp_path / f"run{n}"
+        args = [a.replace("logs/train/runs/<run>", str(first)) for a in args]
+        if script == "eval.py":
+            mode = "sample" if "mode=sample" in args else "evaluate"
+            extra = ["sample.n=2", "sample.completions=1", "sample.k=1"] if mode == "sample" else []
+            cfg = compose_config([*args, "trainer.limit_test_batches=1", "trainer.enable_progress_bar=false", *extra],
+                                 run, config_name="eval")
+            if mode == "sample":
+                assert {"samples.png", "completions.png"} <= set(sample(cfg)), command
+            else:
+                assert math.isfinite(evaluate(cfg)["test/bpd"]), command
+        elif "-m" in args or "--cfg" in args:
+            # the first job of a sweep (seed=1,2,3 -> seed=1) / the printed job
+            overrides = [re.sub(r"=([^\[\],]+),.*$", r"=\1", a) for a in args if a not in ("-m", "--cfg", "job")]
+            cfg = compose_config(overrides, run)
+            assert cfg.task.name in ("digits", "cifar10"), command
+        else:
+            steps = ["trainer.max_steps=4"] if any(a.startswith("ckpt_path=") for a in args) else []
+            metrics = train(compose_config([*TINY_RUN, *args, *steps], run, fast=False))
+            assert math.isfinite(metrics["test/bpd"]), command
+            first = first or run
+    assert first is not None and (first / "checkpoints" / "best.ckpt").is_file()
+
+
+@pytest.mark.parametrize("debug", ["limit", "fdr", "overfit", "profiler"])
+def test_debug_modes_run_on_the_default_task(debug, tmp_path, one_thread):
+    """``python train.py debug=<mode>`` with the debug config's own batch limits (debug=limit once failed on digits:
+    a 5 % fraction of 3 validation batches); a tiny model and a few steps keep it short."""
+    # debug=overfit drops the callbacks (callbacks: null): no callbacks.* keys to override there
+    small = [o for o in TINY_RUN if o.startswith(("model.", "extras.", "callbacks." * (debug != "overfit") or "model."))]
+    metrics = train(compose_config([*small, f"debug={debug}", "trainer.max_steps=3"], tmp_path, fast=False))
+    assert math.isfinite(metrics["test/bpd"])
+
+
+@pytest.mark.slow
+def test_readme_multirun_commands_run(tmp_path):
+    """The Quick start's ``-m`` lines through the CLI (a 3-seed multirun, a 2-trial Optuna search), tiny and short."""
+    tiny = [o for o in TINY_RUN if "val_check" not in o and "check_val" not in o]
+    for command in (c for c in readme_quick_start() if "-m" in c):
+        extra = ["hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.n_startup_trials=2"] if any(
+            a.startswith("hparams_search=") for a in command) else []
+        out = subprocess.run([sys.executable, *command[1:], *tiny, *extra, f"paths.log_dir={tmp_path}"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert out.returncode == 0, (command, out.stderr[-3000:])
