@@ -6,13 +6,18 @@ is one way of computing it. A variant's flex *layout* is a list of ``FlexPlan`` 
 queries to ``[the L keys ; R region summaries]`` (KV longer than Q) under a ``mask_mod`` read from the geometry by
 index arithmetic (segment index, row / column, log level, block table), never from an ``(L, L + R)`` dense mask:
 
-- one call for ``combiner_fixed``, ``combiner_logsparse`` and every sparse pattern (``fixed``, ``local``,
-  ``longformer``, ``strided``, ``logsparse``, ``bigbird``, ``random``);
-- two calls merged exactly by their log-sum-exps for ``axial`` (own row in row order; own column in column
-  order), so that a strided column still visits few tiles.
+- one call for ``combiner_fixed``, ``combiner_logsparse``, ``local``, ``longformer``, ``logsparse``, ``bigbird``,
+  ``random``;
+- two calls merged exactly by their log-sum-exps for the grid variants whose keys include a column (strided in
+  sequence order, it would touch every tile): own row (+ the vertical regions of the query's row) in sequence
+  order, own column (+ the row-major or horizontal summaries) in column order — ``axial``, ``combiner_axial``,
+  ``combiner_axial_vertical`` / ``_horizontal``, ``combiner_mixture`` (``plans=joint``); ``strided`` and ``fixed``
+  likewise (band / own block, then the strided column / the summary cells in column order).
 
-Summaries are the variant's own pooling (``RegionSummary.region_summaries``: pooled scaled queries and keys, the
-region's local expectation of v) over reshaped views of q, k, v, so they cost O(L D) per factorization.
+Summaries are the variant's own pooling and local expectation of v (``RegionSummary.region_summaries`` on
+reshaped segments and log-level chunks; the pooled axial variants' ``padded_prefix_summaries`` /
+``padded_excluding_own_summaries``; ``combiner_axial``'s anchored row attention and ``summary_keys``), O(L D) per
+region family. The order of the summaries in KV only decides how many tiles are visited, never the result.
 
 Key padding (``ops.padding``'s one rule, per-batch masks in the ``mask_mod``): padded keys leave the direct
 sets and the summaries (``region_summaries`` pools real members only); a region without a real key is masked; a
@@ -260,7 +265,7 @@ def flex_attention_forward(attn: Attention, q: torch.Tensor, k: torch.Tensor, v:
     real = None if pad is None else ~pad
     outs, lses = [], []
     for index, plan in enumerate(plans):
-        keys, values, occupied = k, v, None
+        occupied = None
         if plan.n_regions:
             k_bar, v_bar, occupied = plan.summaries(qs, k, v, real)
             if occupied is not None:  # a region without a real key is masked; its NaN-free zeros keep 0 * v finite
