@@ -116,3 +116,107 @@ def gathered_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: 
         outs.append(checkpoint(_attend, *args, use_reentrant=False) if grad else _attend(*args))
     return torch.cat(outs, 2)
 
+
+
+# -- the tiled path: (query, chosen group) pairs sorted by group, tiles of queries against one group's keys -----------
+PAIR_TILE = 32  # queries per tile: one (T, Km) @ (Km, D) product per tile
+
+
+def safe_softmax(logits: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax weights and log-sum-exp over the last axis restricted to ``allowed``; a row without an allowed entry
+    gets zero weights and lse -inf (no NaN in forward or backward)."""
+    has = allowed.any(-1, keepdim=True)
+    logits = logits.masked_fill(~allowed, NEG_INF).masked_fill(~has, 0.0)
+    lse = torch.logsumexp(logits, -1, keepdim=True)
+    weights = (logits - lse).exp().masked_fill(~has, 0.0)
+    return weights, lse.squeeze(-1).masked_fill(~has.squeeze(-1), NEG_INF)
+
+
+def merge_parts(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One softmax from parts computed apart: ``(out (..., Dv), lse (...))`` each, merged by their log-sum-exps.
+    A row where every part is empty gets out 0 and lse -inf."""
+    lses = torch.stack([lse for _, lse in parts], -1)  # (..., P)
+    has = lses.amax(-1, keepdim=True) > NEG_INF
+    total = torch.logsumexp(lses.masked_fill(~has, 0.0), -1, keepdim=True)
+    factors = (lses - total).exp().masked_fill(~has, 0.0)  # (..., P)
+    out = sum(factor.unsqueeze(-1) * o.to(parts[0][0].dtype) for factor, (o, _) in zip(factors.unbind(-1), parts))
+    return out, total.squeeze(-1).masked_fill(~has.squeeze(-1), NEG_INF)
+
+
+def block_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int,
+                    allowed: torch.Tensor, dropout: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query against its own block of ``block_size`` keys (batched ``(m, m)`` products, no gather):
+    ``allowed`` ``(B|1, 1, n, m, m)`` bool. Returns ``(out (B, H, L, Dv), lse (B, H, L))``."""
+    B, H, L, D = qs.shape
+    n, m = L // block_size, block_size
+    logits = qs.reshape(B, H, n, m, D) @ k.reshape(B, H, n, m, D).transpose(-1, -2)
+    weights, lse = safe_softmax(logits, allowed)
+    if dropout:
+        weights = torch.nn.functional.dropout(weights, dropout)
+    out = weights.to(v.dtype) @ v.reshape(B, H, n, m, v.shape[-1])
+    return out.reshape(B, H, L, -1), lse.reshape(B, H, L)
+
+
+def grouped_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, members: torch.Tensor,
+                      member_ok: torch.Tensor, chosen: torch.Tensor, ok: torch.Tensor,
+                      band: tuple[int, int] | None = None, positions: torch.Tensor | None = None, dropout: float = 0.0,
+                      tile: int = PAIR_TILE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query against the members of the groups it chose (blocks, regions), one softmax over all of them, without
+    a per-query copy of the keys: the (query, group) pairs are sorted by group and cut into tiles of ``tile`` queries
+    that share one group, so each tile is one ``(tile, Km) @ (Km, D)`` product (MoBA's varlen trick, padded).
+
+    Args:
+        qs: scaled queries ``(B, H, T, D)``; k, v: ``(B, H, N, D)``.
+        members: ``(G, Km)`` key positions of every group; member_ok ``(B|1, G, Km)`` which are real members.
+        chosen, ok: ``(B, H, T, S)`` the groups of each query and which of them are used.
+        band: ``(back, ahead)``: keep only members j with ``p - back <= j <= p + ahead`` for the query's position p
+            (``positions`` ``(T,)``, default ``arange(T)``); ``(T, 0)`` is causal, None no limit.
+    Returns ``(out (B, H, T, Dv), lse (B, H, T))``; a query without any allowed key gets out 0, lse -inf.
+    """
+    B, H, T, D = qs.shape
+    S = chosen.shape[-1]
+    G, Km = members.shape
+    Dv = v.shape[-1]
+    device = qs.device
+    if positions is None:
+        positions = torch.arange(T, device=device)
+    if S == 0 or not bool(ok.any()):  # no pair: an empty part of the joint softmax
+        return v.new_zeros(B, H, T, Dv), qs.new_full((B, H, T), NEG_INF)
+    with torch.no_grad():  # the tiling: index arithmetic only
+        bh = torch.arange(B * H, device=device).view(B, H, 1, 1)
+        group = (bh * G + chosen).flatten()  # composite (head, group) id of every pair
+        pair = ok.flatten().nonzero().squeeze(-1)  # used pairs, as flat (b, h, t, s) indices
+        group = group[pair]
+        order = torch.argsort(group, stable=True)
+        pair, group = pair[order], group[order]
+        counts = torch.bincount(group, minlength=B * H * G)
+        tiles = (counts + tile - 1) // tile
+        first_tile = tiles.cumsum(0) - tiles
+        rank = torch.arange(pair.numel(), device=device) - (counts.cumsum(0) - counts)[group]
+        tile_of = first_tile[group] + rank // tile
+        n_tiles = int(tiles.sum())
+        tile_pair = torch.full((n_tiles, tile), -1, dtype=torch.long, device=device)
+        tile_pair[tile_of, rank % tile] = pair
+        tile_group = torch.repeat_interleave(torch.arange(B * H * G, device=device), tiles)  # (n_tiles,)
+        row_ok = tile_pair >= 0
+        query = tile_pair.clamp(min=0) // S  # flat (b, h, t)
+        head, g = tile_group // G, tile_group % G
+        keys_at = members[g]  # (n_tiles, Km)
+        allowed = member_ok[(head // H) if member_ok.shape[0] > 1 else torch.zeros_like(head), g]  # (n_tiles, Km)
+        allowed = allowed.unsqueeze(1) & row_ok.unsqueeze(-1)  # (n_tiles, tile, Km)
+        if band is not None:
+            offset = positions[query % T].unsqueeze(-1) - keys_at.unsqueeze(1)  # (n_tiles, tile, Km): p - j
+            allowed = allowed & (offset <= band[0]) & (offset >= -band[1])
+    q_t = qs.reshape(B * H * T, D)[query]  # (n_tiles, tile, D)
+    k_t = k.reshape(B * H, -1, D)[head.unsqueeze(-1), keys_at]  # (n_tiles, Km, D)
+    v_t = v.reshape(B * H, -1, Dv)[head.unsqueeze(-1), keys_at]
+    weights, lse = safe_softmax(q_t @ k_t.transpose(-1, -2), allowed)
+    if dropout:
+        weights = torch.nn.functional.dropout(weights, dropout)
+    out_t = weights.to(v_t.dtype) @ v_t  # (n_tiles, tile, Dv)
+    flat = tile_pair[row_ok]
+    out_pairs = out_t.new_zeros(B * H * T * S, Dv).index_put((flat,), out_t[row_ok])
+    lse_pairs = lse.new_full((B * H * T * S,), NEG_INF).index_put((flat,), lse[row_ok])
+    lse_pairs = lse_pairs.view(B, H, T, S)
+    out_pairs = out_pairs.view(B, H, T, S, Dv)
+    return merge_parts([(o, l) for o, l in zip(out_pairs.unbind(-2), lse_pairs.unbind(-1))])

@@ -5,8 +5,11 @@ The keys are cut into n = L / m blocks of ``block_size`` m (the grid of ``BlockG
 query at position i by ``q_i . mean(k over block g')`` (parameter-free gating). Causal: the query's own block
 (keys up to and including itself) plus the ``top_k`` best EARLIER blocks; bidirectional: the whole own block plus
 the ``top_k`` best OTHER blocks. ``top_k`` covering every block is full attention; ``top_k = 0`` is block-local
-attention. Cost O(L (top_k + 1) m D + L n D): the n block scores per query, then a gathered key table of
-``(top_k + 1) m`` keys per query (``ops.block_select``), never an ``L x L`` tensor.
+attention. Cost O(L (top_k + 1) m D + L n D): the n block scores per query; the own block as batched (m, m)
+products; the chosen blocks as (query, block) pairs sorted by block into tiles of queries that share one block
+(``ops.block_select.grouped_attention``, the varlen trick of the public MoBA code), so every product is a small
+matrix product and no per-query copy of the keys is made; the parts merged by log-sum-exp. Never an ``L x L``
+tensor.
 
 Key padding (``ops.padding``): a block's mean key averages its real keys only, a block without a real key is never
 chosen, padded keys get no weight, and a query left without a real key falls back to its unpadded own block.
@@ -24,15 +27,18 @@ import torch
 
 from longseq.attention.base import Attention, check_int_knob
 from longseq.attention.ops.block_select import (
+    block_attention,
     block_table,
     gathered_attention,
+    grouped_attention,
+    merge_parts,
     score_dtype,
     scoring,
     top_blocks,
 )
 from longseq.attention.ops.decoding import KVCache
 from longseq.attention.ops.geometry import BlockGrid
-from longseq.attention.ops.masks import NEG_INF, other_blocks_mask
+from longseq.attention.ops.masks import NEG_INF, full_mask, other_blocks_mask
 from longseq.attention.registry import register_attention
 
 
@@ -91,26 +97,29 @@ class MobaAttention(BlockGrid, Attention):
         """(B, H, L, D) unscaled q, k, v -> (B, H, L, Dv); ``key_padding_mask`` (B, L) bool, True = padded key."""
         B, H, L, _ = q.shape
         m = self.grid(L).n_cols
+        n = L // m
         qs = self.scale(q)
+        drop = self.dropout if self.training else 0.0
         real = None if key_padding_mask is None else ~key_padding_mask.to(device=q.device, dtype=torch.bool)
         k_bar, occupied = self.block_means(k, real)
         pos = torch.arange(L, device=q.device)
-        own = pos // m
-        choosable = other_blocks_mask(L // m, self.causal, q.device)[own].view(1, 1, L, -1)
+        choosable = other_blocks_mask(n, self.causal, q.device)[pos // m].view(1, 1, L, -1)
         if occupied is not None:
             choosable = choosable & occupied
         chosen, ok = self.choose(qs, k_bar, choosable)
-        blocks = torch.cat([own.view(1, 1, L, 1).expand(B, H, L, 1), chosen], -1)
-        ok = torch.cat([torch.ones(B, H, L, 1, dtype=torch.bool, device=q.device), ok], -1)
-        idx, valid = block_table(blocks, ok, m)  # (B, H, L, (1 + k) m): own block first
-        if self.causal:
-            valid = valid & (idx <= pos.view(L, 1))
-        if real is not None:
-            own_only = valid.clone()
-            own_only[..., m:] = False
-            valid = valid & real[torch.arange(B, device=q.device).view(B, 1, 1, 1), idx]
-            valid = torch.where(valid.any(-1, keepdim=True), valid, own_only)  # rule 3: unpadded own block
-        return gathered_attention(qs, k, v, idx, valid, dropout=self.dropout if self.training else 0.0)
+        # own block: batched (m, m) products; chosen blocks: (query, block) pairs tiled by block; one softmax
+        within = full_mask(m, self.causal, q.device).view(1, 1, 1, m, m)
+        members = pos.view(n, m)
+        if real is None:
+            member_ok = torch.ones(1, n, m, dtype=torch.bool, device=q.device)
+            own = block_attention(qs, k, v, m, within, drop)
+        else:
+            member_ok = real.view(B, n, m)
+            own = block_attention(qs, k, v, m, within & member_ok.view(B, 1, n, 1, m), drop)
+        out, lse = merge_parts([own, grouped_attention(qs, k, v, members, member_ok, chosen, ok, dropout=drop)])
+        if real is not None:  # rule 3: a query without a real key falls back to its unpadded own block
+            out = torch.where((lse > NEG_INF).unsqueeze(-1), out, block_attention(qs, k, v, m, within, drop)[0])
+        return out
 
     def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:

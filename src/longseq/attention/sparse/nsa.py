@@ -30,8 +30,10 @@ a selection or window branch left without a real key falls back to its unpadded 
 compression branch drops out of the gates. Decoding (causal): a KV cache plus every compression block's pooled key
 and value, computed once when the block completes; a step recomputes the n best blocks from them, as ``forward``.
 
-Cost O(L (L / d + n l' + w) D): the compression logits are dense over the L / d pooled tokens (as in the paper), the
-selection and window branches gather their keys per query (``ops.block_select``), never an ``L x L`` tensor. No
+Cost O(L (L / d + n l' + w) D): the compression logits are dense over the L / d pooled tokens (as in the paper); the
+selection and window branches pair each query with blocks (its chosen selection blocks; the window's neighbouring
+blocks) and run the pairs in tiles of queries sharing one block (``ops.block_select.grouped_attention``): small
+matrix products, no per-query key copy, never an ``L x L`` tensor. Decoding steps read a gathered key table. No
 FlexAttention path yet.
 """
 
@@ -43,10 +45,18 @@ import torch
 from torch import nn
 
 from longseq.attention.base import Attention, AttentionConfigError, check_int_knob
-from longseq.attention.ops.block_select import block_table, gathered_attention, score_dtype, scoring, top_blocks
+from longseq.attention.ops.block_select import (
+    block_attention,
+    block_table,
+    gathered_attention,
+    grouped_attention,
+    score_dtype,
+    scoring,
+    top_blocks,
+)
 from longseq.attention.ops.decoding import KVCache
 from longseq.attention.ops.geometry import BlockGrid
-from longseq.attention.ops.masks import NEG_INF
+from longseq.attention.ops.masks import NEG_INF, full_mask
 from longseq.attention.registry import register_attention
 
 COMPRESS_KINDS = ("mean", "mlp")
@@ -195,6 +205,34 @@ class NativeSparseAttention(BlockGrid, Attention):
         score = importance.masked_fill(~choosable, NEG_INF).masked_fill(forced & choosable, float("inf"))
         return top_blocks(score, self.select_blocks)
 
+    def reach(self, length: int) -> tuple[int, int]:
+        """The window as ``(back, ahead)``: keys j with ``i - back <= j <= i + ahead``."""
+        if self.causal:
+            return min(self.window, length) - 1, 0
+        half = min(self.window // 2, length - 1)
+        return half, half
+
+    def window_attention(self, qs, k, v, real, back: int, ahead: int, dropout: float) -> torch.Tensor:
+        """The window branch of ``forward``: positions in blocks of ``b = max(back, ahead, 1)`` (the last one padded),
+        each query paired with its own block and the neighbours its reach touches (``grouped_attention``);
+        ``real`` ``(B, L)`` or None; a query whose window holds no real key falls back to its unpadded window."""
+        B, H, L, _ = qs.shape
+        b = max(back, ahead, 1)
+        n = -(-L // b)
+        members = torch.arange(n * b, device=qs.device).view(n, b)
+        inside = (members < L).unsqueeze(0)
+        members = members.clamp(max=L - 1)
+        own = torch.arange(L, device=qs.device) // b
+        steps = torch.arange(-1 if back else 0, 2 if ahead else 1, device=qs.device)
+        chosen = (own.view(L, 1) + steps).clamp(0, n - 1).view(1, 1, L, -1).expand(B, qs.shape[1], L, -1)
+        ok = ((own.view(L, 1) + steps >= 0) & (own.view(L, 1) + steps < n)).view(1, 1, L, -1).expand_as(chosen)
+        if real is None:
+            return grouped_attention(qs, k, v, members, inside, chosen, ok, (back, ahead), dropout=dropout)[0]
+        out, lse = grouped_attention(qs, k, v, members, inside & real[:, members], chosen, ok, (back, ahead),
+                                     dropout=dropout)
+        unpadded = grouped_attention(qs, k, v, members, inside, chosen, ok, (back, ahead), dropout=dropout)[0]
+        return torch.where((lse > NEG_INF).unsqueeze(-1), out, unpadded)
+
     def window_table(self, positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(T, W)`` key positions of each query's window and which exist (``0 <= j < length``)."""
         if self.causal:
@@ -232,30 +270,20 @@ class NativeSparseAttention(BlockGrid, Attention):
         probs = self.weight_dropout(logits.softmax(-1).nan_to_num(0.0))
         out_c = probs @ v_c
 
-        # selection: the n best selection blocks at full resolution (causal: up to self)
+        # selection: the n best selection blocks at full resolution (causal: up to self), (query, block) pairs tiled
         occupied = None if real is None else real.view(B, 1, 1, S, m).any(-1)
         chosen, ok = self.choose(qs, k_c, compressed_ok, pos, S, occupied)
-        idx, valid = block_table(chosen, ok, m)
-        if self.causal:
-            valid = valid & (idx <= pos.view(L, 1))
-        if real is not None:
-            own_idx, own_valid = block_table((pos // m).view(1, 1, L, 1), torch.ones(1, 1, L, 1, dtype=torch.bool,
-                                                                                    device=q.device), m)
-            own_valid = own_valid & ((own_idx <= pos.view(L, 1)) | (not self.causal))
-            valid = valid & real[b_index, idx]
-            keep = valid.any(-1, keepdim=True)
-            idx = torch.where(keep, idx, torch.cat([own_idx.expand(B, H, L, m), idx[..., m:]], -1))
-            valid = torch.where(keep, valid, torch.cat([own_valid.expand(B, H, L, m), valid[..., m:] & False], -1))
-        out_s = gathered_attention(qs, k, v, idx, valid, dropout=drop)
+        members = pos.view(S, m)
+        member_ok = torch.ones(1, S, m, dtype=torch.bool, device=q.device) if real is None else real.view(B, S, m)
+        causal = (L, 0) if self.causal else None
+        out_s, lse = grouped_attention(qs, k, v, members, member_ok, chosen, ok, causal, dropout=drop)
+        if real is not None:  # rule 3: the unpadded own block
+            own = block_attention(qs, k, v, m, full_mask(m, self.causal, q.device).view(1, 1, 1, m, m), drop)[0]
+            out_s = torch.where((lse > NEG_INF).unsqueeze(-1), out_s, own)
 
-        # window
-        w_idx, w_valid = self.window_table(pos, L)
-        w_idx, w_valid = w_idx.view(1, 1, L, -1), w_valid.view(1, 1, L, -1)
-        if real is not None:
-            unpadded = w_valid
-            w_valid = w_valid & real[b_index, w_idx]
-            w_valid = torch.where(w_valid.any(-1, keepdim=True), w_valid, unpadded)
-        out_w = gathered_attention(qs, k, v, w_idx, w_valid, dropout=drop)
+        # window: blocks of the window's reach, each query against its own and neighbouring blocks, band-masked
+        back, ahead = self.reach(L)
+        out_w = self.window_attention(qs, k, v, real, back, ahead, drop)
 
         gates = self.gate_values(q, has_compressed)
         return gates[..., :1] * out_c + gates[..., 1:2] * out_s + gates[..., 2:] * out_w
