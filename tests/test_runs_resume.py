@@ -79,6 +79,19 @@ def test_generated_run_and_sweep_dirs_carry_a_per_process_suffix(tmp_path):
     assert run.name.endswith("_" + rundir.run_suffix()) and sweep.name.endswith("_" + rundir.run_suffix())
 
 
+def test_the_tasks_of_one_distributed_launch_share_a_suffix(monkeypatch):
+    monkeypatch.setattr(rundir, "_SUFFIX", None)
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_JOB_ID", "4711")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    assert rundir.run_suffix() == "4711-0"  # every srun task composes the same run dir
+    monkeypatch.setattr(rundir, "_SUFFIX", None)
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    first = rundir.run_suffix()
+    monkeypatch.setattr(rundir, "_SUFFIX", None)
+    assert re.fullmatch("[0-9a-f]{6}", first) and rundir.run_suffix() != first  # one process: its own token
+
+
 @pytest.mark.slow  # two concurrent CLI runs; the fast set checks the suffix and the lock in-process
 def test_two_runs_started_in_the_same_second_get_their_own_dirs_and_scores(tmp_path):
     # The timestamp is pinned (the same second for both); the suffix is what the default run dir appends.

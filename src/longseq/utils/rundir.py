@@ -39,13 +39,21 @@ _HELD: dict[Path, int] = {}  # directory -> file descriptor holding its flock (t
 
 
 def run_suffix() -> str:
-    """A 6-hex-digit token drawn once per process: the ``${run_suffix:}`` of generated run and sweep dir names.
+    """The ``${run_suffix:}`` of generated run and sweep dir names: a 6-hex-digit token drawn once per process.
 
     Random rather than the pid: containers on different nodes of a cluster often run jobs under the same pid.
+    The processes of one distributed launch that each compose their own config share one name instead:
+    ``srun`` tasks of one SLURM step (``<job id>-<step id>``) and ``torchrun`` workers (its run id).
     """
     global _SUFFIX
     if _SUFFIX is None:
-        _SUFFIX = secrets.token_hex(3)
+        env = os.environ
+        if int(env.get("SLURM_NTASKS") or 1) > 1 and env.get("SLURM_STEP_ID") and env.get("SLURM_JOB_ID"):
+            _SUFFIX = f"{env['SLURM_JOB_ID']}-{env['SLURM_STEP_ID']}"
+        elif env.get("TORCHELASTIC_RUN_ID") not in (None, "", "none"):
+            _SUFFIX = "".join(c for c in env["TORCHELASTIC_RUN_ID"] if c.isalnum() or c in "-_")[:16]
+        else:
+            _SUFFIX = secrets.token_hex(3)
     return _SUFFIX
 
 
