@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
-import lightning as L
 from conftest import CONF, FAST, ROOT, compose_config
 from omegaconf import OmegaConf
 

@@ -17,7 +17,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from longseq.utils.checkpoint import OVERRIDES_FILE, checkpoint_step, newest_checkpoint, resolve_ckpt_path, run_dir_of
+from longseq.utils.checkpoint import (
+    OVERRIDES_FILE,
+    checkpoint_step,
+    newest_checkpoint,
+    resolve_ckpt_path,
+    run_dir_of,
+)
 from longseq.utils.console import full_errors, report_and_exit
 from longseq.utils.errors import ConfigError
 from longseq.utils.rundir import describe, live_holder, rank_zero

@@ -28,6 +28,9 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+
 from longseq.utils.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -195,8 +198,6 @@ def acquire_or_exit(directory: str | Path, key: str) -> None:
         report_and_exit(exc)
 
 
-from hydra.experimental.callback import Callback  # noqa: E402 - the lock functions above need no Hydra
-from hydra.types import RunMode  # noqa: E402
 
 
 class RunDirLock(Callback):
