@@ -208,3 +208,168 @@ def test_short_conv_incremental_decoding_equals_forward(attention):
         logits = [net.prefill(tokens[:, :prefix], state)]
         logits += [net.step(tokens[:, t], state)[:, None] for t in range(prefix, 16)]
         torch.testing.assert_close(torch.cat(logits, dim=1), expected, rtol=0, atol=1e-10)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The task module through the real runner, the study's configs and its driver
+
+
+def test_mqar_run_writes_metrics_breakdown_and_figures(make_cfg, tmp_path):
+    """A 4-step run through ``train``: val/acc (monitor, mode max) and the per-distance scalars land in
+    metrics.json; the breakdown table and figure are under <run>/recall and in the CSV logger's folder."""
+    import json
+
+    from longseq.runner import train
+
+    cfg = make_cfg(["experiment=recall/mqar", "task.seq_len=64", "task.num_pairs=4", "task.vocab_size=128",
+                    "task.data.num_val=32", "task.data.num_test=32", "trainer.max_steps=4",
+                    "trainer.val_check_interval=2", "model.d_model=32", "model.n_heads=1"])
+    assert (cfg.task.monitor, cfg.task.mode, cfg.model.short_conv) == ("val/acc", "max", 4)
+    metrics = train(cfg)
+    record = json.loads((tmp_path / "metrics.json").read_text())
+    assert record["status"] == "completed" and 0 <= record["metrics"]["test/acc"] <= 1
+    assert {"val/acc", "val/acc_best", "val/loss", "test/loss"} <= set(metrics)
+    distances = [k for k in record["metrics"] if k.startswith("test/acc_distance/")]
+    assert distances and all(k.split("/")[-1] in MqarGenerator(128, 64, 4).bucket_names() for k in distances)
+    csv = (tmp_path / "recall" / "test_by_distance.csv").read_text().splitlines()
+    assert csv[0] == "distance,acc,questions" and sum(int(r.split(",")[2]) for r in csv[1:]) == 32 * 4
+    assert (tmp_path / "recall" / "test_by_distance.png").stat().st_size > 0
+    assert list((tmp_path / "csv").rglob("recall/val_by_distance_step*.png"))
+
+
+def study_attentions() -> list[str]:
+    from omegaconf import OmegaConf
+
+    from conftest import CONF
+
+    return OmegaConf.load(CONF / "recall" / "study.yaml").hydra.sweeper.params.attention.split(",")
+
+
+def test_study_attentions_exist_and_build_at_both_lengths(tmp_path):
+    """Every attention of the sweep is registered, gets its searched learning rate from the table, and builds
+    the study's model at L = 256 and 1,024 (a geometry the partition cannot tile would fail here, not in job 97)."""
+    names = study_attentions()
+    assert set(names) <= set(ATTENTION_REGISTRY) and len(names) == len(set(names))
+    assert {"full", "local", "combiner_fixed", "combiner_axial", "linear", "performer", "routing"} <= set(names)
+    for length in (256, 1024):
+        for name in names:
+            cfg = compose_config(["experiment=recall/mqar", f"attention={name}", f"task.seq_len={length}"],
+                                 tmp_path, fast=False)
+            assert cfg.optimizer.lr == cfg.recall_lr[name] and cfg.task.batch_size == 8192 // length
+            module = build_module(cfg)
+            assert module.net.blocks[0].attn.attention.name == name and module.net.blocks[0].short_conv is not None
+
+
+def test_needle_and_mqar_share_the_study_settings(tmp_path):
+    mqar_cfg = compose_config(["experiment=recall/mqar"], tmp_path, fast=False)
+    needle = compose_config(["experiment=recall/needle"], tmp_path, fast=False)
+    for key in ("model", "optimizer", "scheduler", "recall_lr"):
+        assert mqar_cfg[key] == needle[key]
+    assert mqar_cfg.trainer.max_steps == needle.trainer.max_steps
+    assert needle.task.name == "needle" and build_datamodule(needle).generator.seq_len == 256
+    lr_cfg = compose_config(["experiment=recall/mqar_lr"], tmp_path, fast=False)
+    assert lr_cfg.hydra.sweeper.params["optimizer.lr"] == "1e-3,3e-3,1e-2" and lr_cfg.task.num_pairs == 8
+
+
+def test_recall_bad_values_fail_at_instantiation_naming_the_key(tmp_path):
+    cfg = compose_config(["task=mqar", "task.num_pairs=100", "task.seq_len=256"], tmp_path)
+    with pytest.raises((ConfigError, InstantiationException), match=r"task\.num_pairs"):
+        build_datamodule(cfg)
+    with pytest.raises(ConfigError, match=r"task\.num_pairs"):
+        build_module(cfg)
+    cfg = compose_config(["task=mqar", "task.vocab_size=100", "task.seq_len=256"], tmp_path)
+    with pytest.raises(ConfigError, match=r"task\.vocab_size"):
+        build_module(cfg)
+    with pytest.raises((ConfigError, InstantiationException), match=r"task\.data\.num_train"):
+        build_datamodule(compose_config(["task=needle", "task.data.num_train=0"], tmp_path))
+    with pytest.raises(ConfigError, match=r"model\.short_conv"):
+        build_module(compose_config(["task=selective_copy", "model.short_conv=-2"], tmp_path))
+
+
+def test_study_plan_status_and_lr_pick(tmp_path):
+    """The driver's jobs are the sweeps' products; a completed job is skipped, a stopped one re-run, a failed
+    one kept; the lr with the best val/acc_best (ties: lower val/loss) wins."""
+    import json
+
+    from longseq.report import recall_study as study
+
+    n = len(study_attentions())
+    stages = {stage: study.stage_jobs(stage, tmp_path) for stage in study.STAGES["mqar"]}
+    assert [len(stages[s]) for s in study.STAGES["mqar"]] == [3 * n, 9 * n, 3 * n]
+    assert len(study.stage_jobs("recall/needle", tmp_path)) == 2 * n
+    dirs = [j.directory for jobs in stages.values() for j in jobs]
+    assert len(set(dirs)) == len(dirs)
+
+    def record(job, status, acc=None, loss=None, error=None):
+        job.directory.mkdir(parents=True)
+        metrics = {} if acc is None else {"val/acc_best": acc, "val/loss": loss}
+        (job.directory / "metrics.json").write_text(json.dumps({"status": status, "metrics": metrics, "error": error}))
+
+    full = [j for j in stages["recall/mqar_lr"] if "attention=full" in j.overrides]
+    record(full[0], "completed", 0.9, 0.5)   # 1e-3
+    record(full[1], "completed", 0.9, 0.3)   # 3e-3: same accuracy, lower loss
+    record(full[2], "completed", 0.4, 0.1)   # 1e-2
+    local = [j for j in stages["recall/mqar_lr"] if "attention=local" in j.overrides]
+    record(local[0], "failed", error="ValueError: diverged")
+    record(local[1], "failed", error="KeyboardInterrupt: ")
+    record(local[2], "completed", 0.1, 4.0)
+    assert study.pick_lrs(stages["recall/mqar_lr"]) == {"full": 3e-3, "local": 1e-2}
+    assert [j.status() for j in local] == ["failed", "stopped", "completed"]
+    assert local[0].status() == "failed" and stages["recall/mqar"][0].status() == "not started"
+    assert study.print_status({"recall/mqar_lr": stages["recall/mqar_lr"]}) == 3 * n - 4
+
+
+def test_study_figure_has_one_panel_per_length(tmp_path):
+    import pandas as pd
+    from PIL import Image
+
+    from longseq.report.recall_study import draw_figure
+
+    table = pd.DataFrame([{"attention": a, "task.seq_len": str(L), "task.num_pairs": str(D), "mean": m, "std": 0.01}
+                          for a, m in (("full", 0.9), ("local", 0.1)) for L in (256, 1024) for D in (8, 32, 64)])
+    path = draw_figure("mqar", table, tmp_path / "recall_mqar.png")
+    width, height = Image.open(path).size
+    assert width > 1.8 * height  # two panels side by side
+
+
+# ----------------------------------------------------------------------------------------------------
+# Learnability: labels do not leak
+
+
+def train_mqar(attention: str, steps: int = 300, seed: int = 0) -> tuple[float, float]:
+    """Train a 2-layer d=64 model (short conv 4) on MQAR L = 64, D = 4, V = 128 with uniform gaps; return
+    (accuracy on every question, accuracy on questions at distance >= 16) over 256 test examples."""
+    from longseq.tasks.recall import RecallTask
+
+    torch.manual_seed(seed)
+    gen = dict(vocab_size=128, seq_len=64, num_pairs=4, power_a=1.0)
+    spec = {"name": attention, "causal": True} | ({"window": 4} if attention == "local" else {})
+    task = RecallTask(model=dict(n_layers=2, d_model=64, n_heads=1, dropout=0.0, short_conv=4, mlp_ratio=2),
+                      attention=spec, optimizer={}, scheduler=None, name="mqar", generator=gen)
+    data = RecallDataset(MqarGenerator(**gen), steps * 32, seed, "train").tensors()
+    test = RecallDataset(MqarGenerator(**gen), 256, seed, "test").tensors()
+    optimizer = torch.optim.AdamW(task.parameters(), lr=3e-3, weight_decay=0.0)
+    for step in range(steps):
+        loss = task.step("train", tuple(t[step * 32:(step + 1) * 32] for t in data))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    task.eval()
+    with torch.no_grad():
+        task.step("test", test)
+    per_bucket, counts = task.test_acc.per_bucket()
+    far = [i for i, name in enumerate(task.bucket_names) if int(name.split("-")[0]) >= 16]
+    far_acc = float((per_bucket[far].nan_to_num() * counts[far]).sum() / counts[far].sum())
+    return float(task.test_acc.compute()), far_acc
+
+
+def test_full_learns_mqar_where_a_short_local_window_stays_at_chance(one_thread):
+    """`full` retrieves almost every answer; `local` (window 4: with two layers and the conv it reaches 12 tokens
+    back) is at chance on the questions whose key is 16 or more tokens back — if a label leaked into the
+    inputs near its question, `local` would find it there."""
+    full_all, full_far = train_mqar("full")
+    local_all, local_far = train_mqar("local")
+    chance = chance_accuracy(MqarGenerator(128, 64, 4, 1.0))  # 1/64: one of the values
+    assert full_all > 0.9 and full_far > 0.9
+    assert local_far < chance + 0.05
+    assert local_all < 0.5
