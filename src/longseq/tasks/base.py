@@ -119,9 +119,19 @@ class SequenceTask(L.LightningModule):
                 "or pick an attention that supports it"
             )
         check_optimization(optimizer, scheduler, required=False)
-        model = {k: v for k, v in model.items() if k != "_target_"}
+        self.compile_backbone = model.get("compile", False)
+        if not isinstance(self.compile_backbone, bool):
+            raise ConfigError("model.compile", f"must be true or false, got {self.compile_backbone!r}")
+        model = {k: v for k, v in model.items() if k not in ("_target_", "compile")}
         self.net = Transformer(vocab_size=vocab_size, seq_len=seq_len, attention=attention,
                                image_shape=image_shape, out_dim=out_dim, **model)
+
+    def configure_model(self) -> None:
+        """``model.compile=true``: the backbone's forward through ``torch.compile``, once, when the Trainer sets the
+        module up (after subclasses replaced parts such as the classifier's head). In place (``nn.Module.compile``),
+        so parameter names, checkpoints and the decoding methods stay those of the plain backbone."""
+        if self.compile_backbone and self.net._compiled_call_impl is None:
+            self.net.compile()
 
     def on_train_start(self) -> None:
         # A line in the run's log file marks that signal handlers are installed (used by the SIGTERM test).
