@@ -117,9 +117,10 @@ def test_two_runs_started_in_the_same_second_get_their_own_dirs_and_scores(tmp_p
 
 def test_second_live_run_on_one_run_dir_exits_naming_it_and_the_first_is_unharmed(tmp_path):
     run = tmp_path / "run"
-    first = start([f"hydra.run.dir={run}", "seed=1", "trainer.max_steps=100000", *TINY])
+    first = start([f"hydra.run.dir={run}", "seed=1", "trainer.max_steps=100000",
+                   "callbacks.model_checkpoint.every_n_train_steps=2", *TINY])
     try:
-        wait_for(lambda: (run / ".hydra" / "overrides.yaml").is_file(), first)
+        wait_for(lambda: saved_step(run / "checkpoints" / "last.ckpt") >= 2, first)  # training
         overrides = (run / ".hydra" / "overrides.yaml").read_text()
         second = cli([f"hydra.run.dir={run}", "seed=2", "trainer.max_steps=3", *TINY])
         assert second.returncode == 1
@@ -131,7 +132,8 @@ def test_second_live_run_on_one_run_dir_exits_naming_it_and_the_first_is_unharme
     finally:
         first.send_signal(signal.SIGTERM)
         first.communicate(timeout=120)
-    assert first.returncode == 143  # its own orderly SIGTERM exit
+    assert first.returncode == 143  # its own orderly SIGTERM exit, with its checkpoint
+    assert saved_step(run / "checkpoints" / "interrupted.ckpt") >= 2
     assert "seed=2" not in (run / ".hydra" / "overrides.yaml").read_text()
     assert not (run / ".lock").exists()
 
