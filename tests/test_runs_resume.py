@@ -166,6 +166,23 @@ def test_lock_is_exclusive_reentrant_and_a_stale_one_is_taken_over(tmp_path, cap
     assert not (stale / ".lock").exists()
 
 
+def test_resuming_a_run_that_is_still_running_fails_naming_ckpt_path(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    save_atomically({"global_step": 2, "state_dict": {}}, run / "checkpoints" / "last.ckpt")
+    fd = os.open(run / ".lock", os.O_RDWR | os.O_CREAT)
+    os.write(fd, json.dumps({"pid": 4242, "host": "node7", "started": "t"}).encode())
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            preflight(["train.py", f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}"], CONF)
+    finally:
+        os.close(fd)
+    assert stop.value.code == 1
+    assert (f"error: ckpt_path: {run} is still being written by a live run (pid 4242 on node7"
+            in capsys.readouterr().err)
+
+
 # --- one-command resume --------------------------------------------------------------------------------------
 
 
