@@ -73,21 +73,39 @@ def test_moba_keeps_the_blocks_whose_mean_key_scores_highest(causal):
             assert torch.equal(P[0, h, i] > 0, expected), (h, i)
 
 
-def test_gathered_attention_in_chunks_equals_one_pass(monkeypatch):
-    """Query chunks recomputed in backward give the one-pass output and gradients."""
-    attn = build("moba", True, seq_len=L32, block_size=M, top_k=2).double().train()
-    q, k, v = random_qkv(B=1, H=2, L=L32, requires_grad=True)
-    attn(q, k, v).square().sum().backward()
-    expected = [x.grad.clone() for x in (q, k, v)]
-    out = attn(q, k, v)
-    for x in (q, k, v):
-        x.grad = None
-    monkeypatch.setattr(block_select, "CHUNK_ELEMENTS", 2000)  # 10 query rows per chunk, 4 chunks
-    chunked = attn(q, k, v)
-    chunked.square().sum().backward()
-    torch.testing.assert_close(chunked, out, atol=1e-12, rtol=0)
-    for x, grad in zip((q, k, v), expected):
-        torch.testing.assert_close(x.grad, grad, atol=1e-12, rtol=0)
+@pytest.mark.parametrize("band", [None, (5, 0), (2, 3)])
+def test_grouped_attention_equals_a_dense_softmax_over_the_chosen_groups(band):
+    """Tiles of queries sharing a group (tile 3: groups chosen by up to 32 queries span several tiles) give one softmax
+    over the chosen groups' real members within the band, outputs and gradients; a query with nothing allowed
+    gets 0 and lse -inf without NaN."""
+    B, H, T, D, G, Km = 2, 2, 12, 8, 5, 3
+    g = torch.Generator().manual_seed(2)
+    members = torch.randperm(G * Km, generator=g).view(G, Km)  # groups need not be contiguous
+    member_ok = torch.rand(B, G, Km, generator=g) < 0.8
+    chosen = torch.rand(B, H, T, G, generator=g).argsort(-1)[..., :2]  # two distinct groups, as top_blocks gives
+    ok = torch.rand(B, H, T, 2, generator=g) < 0.8
+    ok[0, 0, 0] = False  # nothing chosen
+    q, k, v = random_qkv(B=B, H=H, L=G * Km, D=D, requires_grad=True)
+    qs = q[:, :, :T]
+    out, lse = block_select.grouped_attention(qs, k, v, members, member_ok, chosen, ok, band, tile=3)
+    allowed = torch.zeros(B, H, T, G * Km, dtype=torch.bool)
+    for b, h, t, s in ok.nonzero().tolist():
+        group = chosen[b, h, t, s]
+        allowed[b, h, t, members[group][member_ok[b, group]]] = True
+    if band is not None:
+        offset = torch.arange(T).view(T, 1) - torch.arange(G * Km).view(1, -1)
+        allowed &= (offset <= band[0]) & (offset >= -band[1])
+    has = allowed.any(-1)
+    logits = (qs @ k.transpose(-1, -2)).masked_fill(~allowed, float("-inf"))
+    expected = torch.where(has.unsqueeze(-1), logits.softmax(-1).nan_to_num(0.0) @ v, torch.zeros(()))
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(lse[has], torch.logsumexp(logits, -1)[has], atol=1e-12, rtol=0)
+    assert (lse[~has] == float("-inf")).all() and (~has).any()
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    for grad, reference in zip(grads, expected_grads):
+        assert torch.isfinite(grad).all()
+        torch.testing.assert_close(grad, reference, atol=1e-12, rtol=0)
 
 
 # -- combiner_select -------------------------------------------------------------------------------------------

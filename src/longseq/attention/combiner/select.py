@@ -25,7 +25,16 @@ from __future__ import annotations
 import torch
 
 from longseq.attention.base import Attention, AttentionConfigError, check_int_knob
-from longseq.attention.ops.block_select import gather_keys, gathered_attention, score_dtype, scoring, top_blocks
+from longseq.attention.ops.block_select import (
+    block_attention,
+    gather_keys,
+    grouped_attention,
+    merge_parts,
+    safe_softmax,
+    score_dtype,
+    scoring,
+    top_blocks,
+)
 from longseq.attention.ops.decoding import PartitionDecoder, PartitionState, index_table
 from longseq.attention.ops.masks import NEG_INF
 from longseq.attention.ops.partition import Partition
@@ -103,35 +112,61 @@ class CombinerSelectAttention(PartitionDecoder, Attention):
         gather = lambda x: gather_keys(x, members.view(1, 1, *members.shape))  # noqa: E731  (B, H, R, Km, D)
         return self.inner.summary.region_summaries(gather(qs), gather(k), gather(v), usable)
 
+    def dense_regions(self, n_regions: int, regions: torch.Tensor) -> bool:
+        """Whether summary logits are computed against every region and then picked (few regions, e.g. fixed:
+        one ``(T, R)`` product) rather than gathered per query (many regions, e.g. one per axial column prefix)."""
+        return n_regions <= 2 * regions.shape[-1]
+
+    def region_logits(self, qs: torch.Tensor, k_bar: torch.Tensor, regions: torch.Tensor) -> torch.Tensor:
+        """``(B, H, T, Kr)`` logits of each query against the summary keys of its usable regions ``regions``."""
+        B, H, T, _ = qs.shape
+        if self.dense_regions(k_bar.shape[-2], regions):
+            return (qs @ k_bar.transpose(-1, -2)).gather(-1, regions.expand(B, H, T, -1))
+        return (gather_keys(k_bar, regions) @ qs.unsqueeze(-1)).squeeze(-1)
+
     def choose(self, qs, k_bar, regions, region_ok):
         """The ``top_k`` usable regions per query by ``q . k_bar``: ``regions`` ``(B|1, H|1, T, Kr)`` ids, ``region_ok``
         their usability -> chosen slots ``(B, H, T, k)`` into ``regions`` and whether each is used."""
         with scoring(qs):
             dtype = score_dtype(qs)
-            summary_keys = gather_keys(k_bar.to(dtype), regions)  # (B, H, T, Kr, D)
-            scores = (summary_keys @ qs.to(dtype).unsqueeze(-1)).squeeze(-1).masked_fill(~region_ok, NEG_INF)
+            scores = self.region_logits(qs.to(dtype), k_bar.to(dtype), regions).masked_fill(~region_ok, NEG_INF)
         return top_blocks(scores, self.top_k)
 
-    def joint(self, qs, k, v, k_bar, v_bar, direct, direct_ok, regions, region_ok, members, member_ok):
-        """One softmax per query over direct keys, the chosen regions' members and the other usable summaries.
-
-        Tables are per query ``(B|1, H|1, T, .)``; ``members``/``member_ok`` ``(R, Km)`` / ``(B|1, 1, R, Km)``."""
+    def joint(self, qs, k, v, k_bar, v_bar, direct, regions, region_ok, members, member_ok):
+        """One softmax per query over its direct keys (``direct``: that part's ``(out, lse)``), the members of its
+        ``top_k`` regions (tiled by region, ``grouped_attention``) and the summaries of its other usable regions,
+        merged by log-sum-exp. Region tables are per query ``(B|1, H|1, T, Kr)``; ``members``/``member_ok`` ``(R,
+        Km)`` / ``(B|1, 1, R, Km)``. Returns ``(out (B, H, T, Dv), lse (B, H, T))``."""
         B, H, T, _ = qs.shape
+        drop = self.dropout if self.training else 0.0
         slots, ok = self.choose(qs, k_bar, regions, region_ok)
         chosen = regions.expand(B, H, T, -1).gather(-1, slots)  # (B, H, T, k) region ids
-        member_idx = members[chosen].flatten(-2)  # (B, H, T, k * Km)
-        if member_ok.shape[0] == 1:
-            member_valid = member_ok[0, 0][chosen]
+        picked = grouped_attention(qs, k, v, members, member_ok[:, 0], chosen, ok, dropout=drop)
+        replaced = torch.zeros(B, H, T, regions.shape[-1], dtype=torch.bool, device=qs.device).scatter(-1, slots, ok)
+        weights, lse = safe_softmax(self.region_logits(qs, k_bar, regions), region_ok & ~replaced)
+        if drop:
+            weights = torch.nn.functional.dropout(weights, drop)
+        if self.dense_regions(k_bar.shape[-2], regions):
+            spread = weights.new_zeros(B, H, T, k_bar.shape[-2]).scatter_add(-1, regions.expand(B, H, T, -1), weights)
+            summary = spread.to(v_bar.dtype) @ v_bar
         else:
-            member_valid = member_ok[torch.arange(B, device=qs.device).view(B, 1, 1, 1), 0, chosen]
-        member_valid = (member_valid & ok.unsqueeze(-1)).flatten(-2)
-        idx = torch.cat([direct.expand(B, H, T, -1), member_idx], -1)
-        valid = torch.cat([direct_ok.expand(B, H, T, -1), member_valid], -1)
-        replaced = torch.zeros_like(region_ok.expand(B, H, T, -1)).scatter(-1, slots, ok)
-        summary_keys = gather_keys(k_bar, regions)  # (B, H, T, Kr, D)
-        region_logits = (summary_keys @ qs.unsqueeze(-1)).squeeze(-1).masked_fill(~region_ok | replaced, NEG_INF)
-        return gathered_attention(qs, k, v, idx, valid, region_logits, v_bar, regions,
-                                  dropout=self.dropout if self.training else 0.0)
+            summary = (weights.unsqueeze(-2).to(v_bar.dtype) @ gather_keys(v_bar, regions)).squeeze(-2)
+        return merge_parts([direct, picked, (summary, lse)])
+
+    def direct_part(self, qs, k, v, direct, direct_ok, whole: bool = False):
+        """Each query over its direct keys ``(out, lse)``, from its direct table ``(B|1, H|1, T, Kd)``: for the whole
+        sequence (``whole``) of the fixed partition, the own segment as batched ``(m, m)`` products (the table lists
+        the segment's keys in order); otherwise gathered per query."""
+        drop = self.dropout if self.training else 0.0
+        if whole and self.inner.name == "combiner_fixed":
+            m = self.inner.block_size
+            B, H, L, _ = qs.shape
+            allowed = direct_ok.reshape(direct_ok.shape[0], 1, L // m, m, -1)  # own segment in order: (.., m, m)
+            return block_attention(qs, k, v, m, allowed, drop)
+        weights, lse = safe_softmax((gather_keys(k, direct) @ qs.unsqueeze(-1)).squeeze(-1), direct_ok)
+        if drop:
+            weights = torch.nn.functional.dropout(weights, drop)
+        return (weights.unsqueeze(-2).to(v.dtype) @ gather_keys(v, direct)).squeeze(-2), lse
 
     # -- the contract ---------------------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -158,10 +193,12 @@ class CombinerSelectAttention(PartitionDecoder, Attention):
             region_ok = region_ok & occupied[torch.arange(B, device=q.device).view(B, 1, 1, 1), 0, regions]
             unpadded = direct_ok
             direct_ok = direct_ok & real[:, direct[0, 0]].unsqueeze(1)
-            empty = ~(direct_ok.any(-1, keepdim=True) | region_ok.any(-1, keepdim=True))
-            direct_ok = torch.where(empty, unpadded, direct_ok)  # rule 3: unpadded direct keys
         k_bar, v_bar = self.summaries(qs, k, v, members, member_ok)
-        return self.joint(qs, k, v, k_bar, v_bar, direct, direct_ok, regions, region_ok, members, member_ok)
+        out, lse = self.joint(qs, k, v, k_bar, v_bar, self.direct_part(qs, k, v, direct, direct_ok, True), regions,
+                              region_ok, members, member_ok)
+        if key_padding_mask is not None:  # rule 3: a query without any real key: its unpadded direct keys
+            out = torch.where((lse > NEG_INF).unsqueeze(-1), out, self.direct_part(qs, k, v, direct, unpadded, True)[0])
+        return out
 
     def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -216,6 +253,6 @@ class CombinerSelectAttention(PartitionDecoder, Attention):
             self._summarize(state, done)
         view = lambda x: x[t].view(1, 1, 1, -1)  # noqa: E731
         member_ok = tables.members_valid.view(1, 1, *tables.members_valid.shape)
-        return self.joint(qs, state.k, state.v, state.k_bar, state.v_bar, view(tables.direct),
-                          view(tables.direct_valid), view(tables.usable[0]), view(tables.usable_valid[0]),
-                          tables.members, member_ok)
+        direct = self.direct_part(qs, state.k, state.v, view(tables.direct), view(tables.direct_valid))
+        return self.joint(qs, state.k, state.v, state.k_bar, state.v_bar, direct, view(tables.usable[0]),
+                          view(tables.usable_valid[0]), tables.members, member_ok)[0]

@@ -1,13 +1,14 @@
 """Query-dependent block selection (``moba``, ``nsa``, ``combiner_select``): rank blocks per query, keep the best,
-attend the kept keys at full resolution through a gathered key table; never an ``L x L`` tensor.
+attend the kept keys at full resolution; never an ``L x L`` tensor.
 
 - ``top_blocks``: the one selection rule: the ``k`` highest scores per query, ties to the lower block index
   (a stable sort, so ``forward``, the dense ``attention_matrix`` and decoding pick the same blocks), blocks
   scored -inf never kept;
-- ``block_table``: the positions of the chosen blocks as a key table ``(B, H, L, K * m)``;
-- ``gathered_attention``: one softmax per query over a gathered key table (and optionally extra logits such as
-  region summaries in the same softmax), query chunks bounded in memory and recomputed in backward
-  (``torch.utils.checkpoint``) so training stores no gathered ``(L, K, D)`` copy;
+- ``grouped_attention``: each query against the members of the groups (blocks, regions) it chose, the (query,
+  group) pairs sorted by group into tiles of queries sharing one group: small matrix products, no per-query copy
+  of the keys; ``block_attention``: each query against its own block; ``merge_parts``: parts computed apart joined
+  into one softmax by their log-sum-exps (``safe_softmax`` keeps empty rows NaN-free);
+- ``block_table`` / ``gathered_attention``: a per-query key table, for decoding steps (a few queries);
 - ``scoring``: selection scores are computed in fp32 (fp64 stays fp64) with autocast off, so a bf16 run picks the
   blocks an fp32 run picks.
 """
@@ -17,12 +18,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from longseq.attention.ops.masks import NEG_INF
-
-# Elements of the gathered (rows, K, D) key block per chunk: ~32 MiB in fp32, whatever B, H, L.
-CHUNK_ELEMENTS = 1 << 23
 
 
 def top_blocks(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,55 +64,16 @@ def gather_keys(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x[b, h, idx]
 
 
-def _attend(qs, k, v, idx, valid, extra_logits, extra_values, extra_idx, dropout):
-    keys, values = gather_keys(k, idx), gather_keys(v, idx)  # (B, H, T, W, D)
-    logits = (keys @ qs.unsqueeze(-1)).squeeze(-1).masked_fill(~valid, NEG_INF)  # (B, H, T, W)
-    if extra_logits is None:
-        weights = torch.nn.functional.dropout(logits.softmax(-1), dropout) if dropout else logits.softmax(-1)
-        return (weights.unsqueeze(-2) @ values).squeeze(-2)
-    weights = torch.cat([logits, extra_logits], -1).softmax(-1)
-    if dropout:
-        weights = torch.nn.functional.dropout(weights, dropout)
-    W = logits.shape[-1]
-    out = (weights[..., :W].unsqueeze(-2) @ values).squeeze(-2)
-    if extra_idx is None:  # every query reads the same extra values
-        return out + weights[..., W:].to(extra_values.dtype) @ extra_values
-    return out + (weights[..., W:].unsqueeze(-2) @ gather_keys(extra_values, extra_idx)).squeeze(-2)
+def gathered_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
+                       valid: torch.Tensor) -> torch.Tensor:
+    """One softmax per query over the keys of its own table (decoding steps: a few queries over a cache).
 
-
-def gathered_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
-                       extra_logits: torch.Tensor | None = None, extra_values: torch.Tensor | None = None,
-                       extra_idx: torch.Tensor | None = None, dropout: float = 0.0) -> torch.Tensor:
-    """One softmax per query over the keys of its table, plus optional extra logits in the same softmax.
-
-    Args:
-        qs: scaled queries ``(B, H, T, D)``; k, v: keys and values ``(B, H, L, D)`` (``L >= T``: a decoding step
-            reads a cache).
-        idx, valid: ``(B|1, H|1, T, W)`` key positions and which of them the query may attend (every row must
-            keep a key, or an extra logit).
-        extra_logits: ``(B, H, T, R)`` already masked logits joined in the same softmax (region summaries);
-            extra_values: ``(B, H, R, Dv)`` their values, shared by every query, or with ``extra_idx``
-            ``(B|1, H|1, T, R')`` the rows of ``extra_values`` ``(B, H, N, Dv)`` each query's R' logits read.
-        dropout: on the joint weights (training only; pass 0 otherwise).
-    Returns ``(B, H, T, Dv)``. Query chunks keep the gathered ``(rows, W, D)`` blocks under ``CHUNK_ELEMENTS``;
-    with autograd on, each chunk is recomputed in backward instead of storing them.
+    qs: scaled queries ``(B, H, T, D)``; k, v: ``(B, H, N, D)``; idx, valid: ``(B|1, H|1, T, W)`` key positions and
+    which of them the query may attend (every row keeps one). Returns ``(B, H, T, Dv)``. Memory O(T W D): the
+    whole-sequence paths use ``grouped_attention`` instead.
     """
-    B, H, T, D = qs.shape
-    W = idx.shape[-1]
-    rows = max(1, CHUNK_ELEMENTS // max(1, B * H * W * max(D, v.shape[-1])))
-    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (qs, k, v) + (
-        () if extra_logits is None else (extra_logits, extra_values)))
-    if rows >= T and not grad:
-        return _attend(qs, k, v, idx, valid, extra_logits, extra_values, extra_idx, dropout)
-    outs = []
-    for start in range(0, T, rows):
-        part = slice(start, min(start + rows, T))
-        args = (qs[:, :, part], k, v, idx[:, :, part], valid[:, :, part],
-                None if extra_logits is None else extra_logits[:, :, part], extra_values,
-                None if extra_idx is None else extra_idx[:, :, part], dropout)
-        outs.append(checkpoint(_attend, *args, use_reentrant=False) if grad else _attend(*args))
-    return torch.cat(outs, 2)
-
+    logits = (gather_keys(k, idx) @ qs.unsqueeze(-1)).squeeze(-1).masked_fill(~valid, NEG_INF)
+    return (logits.softmax(-1).unsqueeze(-2) @ gather_keys(v, idx)).squeeze(-2)
 
 
 # -- the tiled path: (query, chosen group) pairs sorted by group, tiles of queries against one group's keys -----------
