@@ -171,3 +171,17 @@ def test_block_masks_are_cached_per_length_and_padding():
         flex_attention_forward(attn, q, k, v, pad)
         assert len(cache["padded"]) == 1  # one entry per padding signature
     assert math.isclose(flex.causal_full_tiles(256, 128), 3.0)  # 2 x 2 query x key tiles, causal: 3
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_mixture_plans_average_is_two_softmaxes_averaged(causal):
+    """``combiner_mixture plans=average``: one group of calls per partition plan, each its own softmax, averaged."""
+    attn = build("combiner_mixture", causal, seq_len=L, block_size=BLOCK, plans="average").eval()
+    assert flex_unsupported_reason(attn) is None
+    assert {plan.group for plan in plans_of(attn, L, "cpu", 16)} == {0, 1}
+    pad = pads()["padded"]
+    with torch.no_grad():
+        q, k, v = random_qkv(L=L, dtype=torch.float32, seed=3)
+        for kwargs in ({}, {"key_padding_mask": pad}):
+            out = flex_attention_forward(attn, q, k, v, kwargs.get("key_padding_mask"))
+            torch.testing.assert_close(out, attn.attention_matrix(q, k, v, **kwargs) @ v, atol=1e-5, rtol=0)

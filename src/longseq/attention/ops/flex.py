@@ -93,6 +93,8 @@ class FlexPlan:
             None for pooled regions (tests only).
         heads: how many heads the mask distinguishes (BigBird's per-head random blocks; 1 = shared).
         family: ``Partition.family`` of the call's regions (1 = horizontal; tests only).
+        group: calls of one group share one softmax (merged by log-sum-exp); the groups' outputs are averaged
+            (``combiner_mixture plans=average``: one group per partition plan).
 
     ``direct=None``: the call has no direct keys; its KV is the R summaries alone.
     """
@@ -106,6 +108,7 @@ class FlexPlan:
     anchors: Callable | None = None
     heads: int = 1
     family: int = 0
+    group: int = 0
 
     def kv_len(self, L: int, direct_only: bool = False) -> int:
         """KV length of the call: [L keys ;] R summaries (the keys alone with ``direct_only``)."""
@@ -162,10 +165,10 @@ def build_block_mask(mask_mod: Callable, B: int, H: int, Q_LEN: int, KV_LEN: int
     for q0 in range(0, Q_LEN, rows):
         size = min(rows, Q_LEN - q0)
         # the mask_mods here are elementwise index arithmetic, so broadcast index grids evaluate them directly
-        # (what create_mask's vmap does, without its per-call overhead)
-        b, h = (torch.arange(n, device=device).view(shape) for n, shape in ((B, (B, 1, 1, 1)), (H, (1, H, 1, 1))))
-        q = torch.arange(q0, q0 + size, device=device).view(1, 1, size, 1)
-        kv = torch.arange(KV_LEN, device=device).view(1, 1, 1, KV_LEN)
+        # (what create_mask's vmap does, without its per-call overhead); int32 halves the grids' memory traffic
+        index = functools.partial(torch.arange, device=device, dtype=torch.int32)
+        b, h = index(B).view(B, 1, 1, 1), index(H).view(1, H, 1, 1)
+        q, kv = index(q0, q0 + size).view(1, 1, size, 1), index(KV_LEN).view(1, 1, 1, KV_LEN)
         chunk = mask_mod(b, h, q, kv).expand(B, H, size, KV_LEN)
         chunk = torch.nn.functional.pad(chunk, (0, n_kv * tile - KV_LEN, 0, -(-size // tile) * tile - size))
         count = chunk.view(B, H, -1, tile, n_kv, tile).sum((3, 5))  # (B, H, q tiles, kv tiles)
@@ -236,15 +239,23 @@ def block_mask_of(attn: Attention, index: int, plan: FlexPlan, L: int, device, t
 # ------------------------------------------------------------------------------------------------
 def flex_unsupported_reason(attn: Attention) -> str | None:
     """None when the variant (as configured) has a flex layout; otherwise a short reason."""
-    if attn.name == "full":
-        return "full attention stays on SDPA (FlashAttention), which needs no mask"
-    if attn.name not in LAYOUTS:
-        family = getattr(attn, "family", "?")
-        if family == "efficient":
-            return f"'{attn.name}' is not a partition of keys (an efficient approximation): no block mask describes it"
-        return f"no flex layout is written for attention '{attn.name}' yet"
+    reason = unsupported_variant_reason(attn.name, getattr(attn, "family", "?"))
+    if reason is not None:
+        return reason
     check = UNSUPPORTED_CONFIG.get(attn.name)
     return check(attn) if check is not None else None
+
+
+def unsupported_variant_reason(name: str, family: str) -> str | None:
+    """Why the registered variant ``name`` has no flex layout whatever its knobs (None: it has one); needs no
+    module (the benchmark asks before building a variant that may hold an (L, L) parameter)."""
+    if name == "full":
+        return "full attention stays on SDPA (FlashAttention), which needs no mask"
+    if name not in LAYOUTS:
+        if family == "efficient":
+            return f"'{name}' is not a partition of keys (an efficient approximation): no block mask describes it"
+        return f"no flex layout is written for attention '{name}' yet"
+    return None
 
 
 def flex_attention_forward(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -263,7 +274,7 @@ def flex_attention_forward(attn: Attention, q: torch.Tensor, k: torch.Tensor, v:
     pad = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.bool)
     qs = attn.scale(q)
     real = None if pad is None else ~pad
-    outs, lses = [], []
+    calls = []  # (plan, output, lse) in sequence order
     for index, plan in enumerate(plans):
         occupied = None
         if plan.n_regions:
@@ -278,23 +289,27 @@ def flex_attention_forward(attn: Attention, q: torch.Tensor, k: torch.Tensor, v:
         else:
             keys, values = _in_order(k, plan), _in_order(v, plan)
         mask = block_mask_of(attn, index, plan, L, q.device, tile, pad, occupied)
-        out, lse = _flex(_in_order(qs, plan), keys, values, mask)
-        outs.append(_to_sequence(out, plan))
-        lses.append(_to_sequence(lse.unsqueeze(-1), plan).squeeze(-1))
-    out, lse = merge_by_lse(outs, lses)
-    if pad is not None:
-        empty = torch.isneginf(lse)  # (B, H, L): a query with no real key and no usable region (rule 3)
-        if bool(empty.any()):
-            fallback = []
-            for index, plan in enumerate(plans):
-                if plan.direct is None:
-                    continue
-                mask = block_mask_of(attn, index, plan, L, q.device, tile, direct_only=True)
-                o, l_ = _flex(_in_order(qs, plan), _in_order(k, plan), _in_order(v, plan), mask)
-                fallback.append((_to_sequence(o, plan), _to_sequence(l_.unsqueeze(-1), plan).squeeze(-1)))
-            fallback_out, _ = merge_by_lse(*zip(*fallback))
-            out = torch.where(empty.unsqueeze(-1), fallback_out, out)
-    return out
+        calls.append((plan, *_flex_in_order(qs, keys, values, mask, plan)))
+    groups = sorted({plan.group for plan in plans})
+    outputs = []
+    for group in groups:
+        out, lse = merge_by_lse(*zip(*[(o, l_) for plan, o, l_ in calls if plan.group == group]))
+        if pad is not None:
+            empty = torch.isneginf(lse)  # (B, H, L): a query with no real key and no usable region (rule 3)
+            if bool(empty.any()):
+                fallback = [_flex_in_order(qs, _in_order(k, plan), _in_order(v, plan),
+                                           block_mask_of(attn, index, plan, L, q.device, tile, direct_only=True), plan)
+                            for index, plan in enumerate(plans) if plan.group == group and plan.direct is not None]
+                out = torch.where(empty.unsqueeze(-1), merge_by_lse(*zip(*fallback))[0], out)
+        outputs.append(out)
+    return outputs[0] if len(outputs) == 1 else sum(outputs) / len(outputs)
+
+
+def _flex_in_order(qs, keys, values, mask, plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """One call with the queries in the call's order; output ``(B, H, L, Dv)`` and lse ``(B, H, L)`` in sequence
+    order."""
+    out, lse = _flex(_in_order(qs, plan), keys, values, mask)
+    return _to_sequence(out, plan), _to_sequence(lse.unsqueeze(-1), plan).squeeze(-1)
 
 
 def flex_tiles_visited(attn: Attention, L: int, device="cpu", tile: int = TILE) -> float:
@@ -708,6 +723,7 @@ def _layout_pooled_axial(attn, L, device, tile):
     grid = attn.grid(L)
     n, m, causal = grid.n_rows, grid.n_cols, attn.causal
     vertical, horizontal = attn.use_vertical, attn.horizontal_regions
+    average = attn.plans == "average"  # mixture: two plans, each its own softmax over [direct | its family]
     order = _column_order(grid, device)
     rows, cols = grid.rows(device), grid.cols(device)
 
@@ -747,6 +763,8 @@ def _layout_pooled_axial(attn, L, device, tile):
             return (cols.unsqueeze(0) == c) & side
 
         plans.append(FlexPlan(own_row, None, L * v_kinds, usable_vertical, summaries_vertical, members_vertical))
+        if average:  # the vertical plan's own column; the horizontal plan's own row
+            plans += [FlexPlan(_own_column(n, causal), order), FlexPlan(own_row, group=1)]
     else:
         plans.append(FlexPlan(own_row))
 
@@ -788,7 +806,7 @@ def _layout_pooled_axial(attn, L, device, tile):
         return same_row & (cols.unsqueeze(0) != c)
 
     plans.append(FlexPlan(own_column, order, L * h_kinds, usable_horizontal, summaries_horizontal, members_horizontal,
-                          family=1))
+                          family=1, group=1 if average else 0))
     return plans
 
 
@@ -810,9 +828,6 @@ LAYOUTS: dict[str, Callable[..., list[FlexPlan]]] = {
 }
 
 # Configurations of a supported variant that have no layout (name -> check returning a reason or None).
-UNSUPPORTED_CONFIG: dict[str, Callable[[Attention], str | None]] = {
-    "combiner_mixture": lambda attn: None if attn.plans == "joint" else (
-        "attention.plans=average (two separately normalized plans) has no flex layout; plans=joint has"),
-}
+UNSUPPORTED_CONFIG: dict[str, Callable[[Attention], str | None]] = {}
 
 __all__ = ["flex_unsupported_reason", "flex_attention_forward", "flex_tiles_visited", "flex_partition", "FlexPlan"]
