@@ -22,7 +22,7 @@ from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from longseq.runner import metric_value, set_float32_precision, train  # noqa: E402
-from longseq.utils.config import extras, register_resolvers  # noqa: E402
+from longseq.utils.config import check_composition, extras, register_resolvers  # noqa: E402
 from longseq.utils.console import error_summary, full_errors, report_and_exit  # noqa: E402
 from longseq.utils.errors import name_user_key  # noqa: E402
 from longseq.utils.resume import preflight, resume_requeued  # noqa: E402
@@ -63,5 +63,6 @@ def run(cfg: DictConfig, output_dir: Path, multirun: bool) -> float | None:
 
 
 if __name__ == "__main__":
+    check_composition(sys.argv, CONFIG_DIR, "train")  # a bad override: one error: <key>: line, before anything runs
     sys.argv = preflight(sys.argv, CONFIG_DIR, "train")
     main()

@@ -158,3 +158,27 @@ def test_an_unwritable_checkpoints_folder_reports_the_primary_failure(make_cfg, 
         runner.instantiate_group = original
     assert error_summary(info.value).startswith(f"error: {tmp_path / 'checkpoints' / 'last.ckpt'}: could not write this "
                                                 "checkpoint at step 4 (FileExistsError: ")
+
+
+@pytest.mark.parametrize("overrides,line", [
+    (["attention=nope"], "error: attention: no option 'nope'; available: axial, bigbird,"),
+    (["attention.window=3"], "error: attention.window: not a key of this config (a new key needs +attention.window=3); "
+                             "attention has backend, causal, name"),
+    (["trainer.max_step=3"], "error: trainer.max_step: not a key of this config (did you mean trainer.max_steps? a new "
+                             "key needs +trainer.max_step=3); trainer has accelerator,"),
+    (["attention=sparse", "partition=axal"], "error: partition: no option 'axal' (did you mean partition=axial?)"),
+    (["seed=1,2"], "error: seed: 1,2 is ambiguous: a list is seed=[1,2], a string seed='1,2', a sweep needs -m"),
+])
+def test_composition_errors_print_one_line_naming_the_key(overrides, line, capsys, monkeypatch):
+    """What Hydra itself prints over several lines (an unknown key or option, an ambiguous value) is checked by
+    ``train.py`` before the run starts and printed in the same ``error: <key>:`` form."""
+    from conftest import CONF
+
+    from longseq.utils.config import check_composition
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as info:
+        check_composition(["train.py", *overrides], CONF, "train")
+    assert info.value.code == 1
+    assert capsys.readouterr().err.startswith(line)
+    check_composition(["train.py", "attention=combiner", "partition=axial"], CONF, "train")  # a good command passes

@@ -232,3 +232,79 @@ def ensure_csv_logger(cfg: DictConfig) -> None:
         if not cfg.get("logger"):
             cfg.logger = {}
         cfg.logger.csv = CSV_LOGGER
+
+
+def composition_error(exc: Exception, overrides: Sequence[str], compose: Any = None) -> ConfigError | None:
+    """A ``ConfigError`` naming the key for Hydra's composition failures (an unknown key or option, an ambiguous
+    or unparsable override), which Hydra itself prints over several lines without the ``error: <key>:`` form.
+
+    ``compose(overrides)`` (optional) composes without the failing override, to list the keys that do exist.
+    None when the exception is not one of these.
+    """
+    import difflib
+    import re
+
+    text = str(exc)
+    missing = re.search(r"Could not find '(?P<group>[\w/]+)/(?P<name>[^']+)'", text)
+    if missing:
+        options = [line.strip() for line in text.split("Available options in", 1)[-1].splitlines()[1:]
+                   if line.startswith("\t") and "=" not in line]
+        close = difflib.get_close_matches(missing["name"], options, n=1)
+        hint = f" (did you mean {missing['group']}={close[0]}?)" if close else ""
+        return ConfigError(missing["group"].replace("/", "."), f"no option '{missing['name']}'{hint}; available: "
+                                                               f"{', '.join(options)}")
+    unknown = re.search(r"Could not override '(?P<key>[\w.]+)'", text)
+    if unknown:
+        key = unknown["key"]
+        parent, _, leaf = key.rpartition(".")
+        known: list[str] = []
+        if parent == "trainer":
+            known = sorted(trainer_arguments())
+        elif compose is not None:
+            try:
+                node = OmegaConf.select(compose([o for o in overrides if not o.startswith(f"{key}=")]), parent or "")
+                known = sorted(str(k) for k in node if k != "hydra") if isinstance(node, DictConfig) else []
+            except Exception:  # noqa: BLE001 - the hint is optional
+                known = []
+        close = difflib.get_close_matches(leaf, known, n=1)
+        hint = f"did you mean {parent + '.' if parent else ''}{close[0]}? " if close else ""
+        where = f"{parent} has " if parent else "the config has "
+        listed = f"; {where}{', '.join(known)}" if known else ""
+        value = next((o.split("=", 1)[1] for o in overrides if o.startswith(f"{key}=")), "<value>")
+        return ConfigError(key, f"not a key of this config ({hint}a new key needs +{key}={value}){listed}")
+    ambiguous = re.search(r"Ambiguous value for argument '(?P<key>[^=']+)=(?P<value>[^']*)'", text)
+    if ambiguous:
+        key, value = ambiguous["key"], ambiguous["value"]
+        return ConfigError(key.lstrip("+~"), f"{value} is ambiguous: a list is {key}=[{value}], a string "
+                                             f"{key}='{value}', a sweep needs -m")
+    parse = re.search(r"at input '(?P<input>[^']*)'", text)
+    if type(exc).__name__ == "OverrideParseException":
+        culprit = next((o for o in overrides if parse and parse["input"] and parse["input"] in o), None)
+        key = culprit.split("=", 1)[0].lstrip("+~") if culprit else "overrides"
+        return ConfigError(key, f"cannot parse {culprit or 'an override'!r} ({text.splitlines()[0]}; Hydra's override "
+                                "grammar: https://hydra.cc/docs/advanced/override_grammar/basic/)")
+    return None
+
+
+def check_composition(argv: list[str], config_dir: Path, config_name: str = "train") -> None:
+    """Compose the command's config once before Hydra does, so a bad override (unknown key or option, an ambiguous
+    or unparsable value) prints the one ``error: <key>: <message>`` line and exits 1 like every other error.
+
+    Multiruns and ``--cfg`` / ``--help`` are left to Hydra; with ``HYDRA_FULL_ERROR=1`` Hydra reports it.
+    """
+    from hydra._internal.utils import get_args_parser
+
+    from longseq.utils.console import full_errors, report_and_exit
+    from longseq.utils.resume import compose_for_check
+
+    args, _ = get_args_parser().parse_known_args(argv[1:])
+    if args.multirun or args.cfg or args.info or args.help or args.hydra_help or args.shell_completion or full_errors():
+        return
+    overrides = list(args.overrides or [])
+    name = args.config_name or config_name
+    try:
+        compose_for_check(config_dir, name, overrides)
+    except Exception as exc:  # noqa: BLE001 - only composition errors are reported here; the run reports the rest
+        error = composition_error(exc, overrides, lambda kept: compose_for_check(config_dir, name, kept))
+        if error is not None:
+            report_and_exit(error)
