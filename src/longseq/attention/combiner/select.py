@@ -14,10 +14,13 @@ softmax is one plan (``SELECT_PARTITIONS``): ``attention.partition=fixed`` (defa
 factorizations. ``combiner_axial`` (regions summarized by an anchor's own query), ``combiner_routing`` (k-means,
 data-dependent) and ``combiner_logsparse`` (overlapping Fenwick regions: its member table is O(L^2)) are left out.
 
-Fast path: index tables of the partition (direct keys, usable regions, region members), region summaries from
-gathered members (``RegionSummary.region_summaries``, the function decoding uses), a gathered key table per query
-(``ops.block_select``); O(L (Kd + k Km + Kr) D) for Kd direct keys, Km members per region and Kr usable regions
-per query (fixed: Kd = m, Km = m, Kr = n), never an ``L x L`` tensor. No FlexAttention path yet.
+Fast path: index tables of the partition (direct keys, usable regions, region members); region summaries from
+gathered members (``RegionSummary.region_summaries``, the function decoding uses); three parts of the one softmax
+computed apart and merged by log-sum-exp (``ops.block_select``): the direct keys (fixed: the own segment as batched
+``(m, m)`` products; other partitions: a per-query table), the chosen regions' members as (query, region) pairs in
+tiles of queries sharing one region, and the other usable summaries (fixed: one ``(L, n)`` product). Cost
+O(L (Kd + k Km + Kr) D) for Kd direct keys, Km members per region and Kr usable regions per query (fixed: m, m, n),
+never an ``L x L`` tensor. No FlexAttention path yet.
 """
 
 from __future__ import annotations

@@ -255,7 +255,6 @@ class NativeSparseAttention(BlockGrid, Attention):
         pos = torch.arange(L, device=q.device)
         drop = self.dropout if self.training else 0.0
         real = None if key_padding_mask is None else ~key_padding_mask.to(device=q.device, dtype=torch.bool)
-        b_index = torch.arange(B, device=q.device).view(B, 1, 1, 1)
 
         # compression: blocks of l every d tokens, pooled; one dense softmax over the L / d pooled tokens
         C, l, d = self.n_compressed(L), self.compress_block, self.compress_stride
