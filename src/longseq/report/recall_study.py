@@ -46,8 +46,9 @@ STAGES = {"mqar": ["recall/mqar_lr", "recall/mqar", "recall/mqar_long"], "needle
 LR_STAGE = "recall/mqar_lr"
 LR_KEY = "optimizer.lr"
 GROUP_BY = {"mqar": ["attention", "task.seq_len", "task.num_pairs"], "needle": ["attention", "task.seq_len"]}
-# Errors that mean "stopped from outside", not "this configuration fails": such a job is run again.
-STOPPED = ("KeyboardInterrupt", "SystemExit: 143", "SystemExit: 130", "SIGTERM")
+# Errors that mean "stopped from outside", not "this configuration fails": such a job is run again. Lightning
+# turns Ctrl-C during fit into sys.exit(1) ("SystemExit: 1"); SIGTERM is "SystemExit: 143" (status interrupted).
+STOPPED = ("KeyboardInterrupt", "SystemExit: 1", "SystemExit: 130", "SystemExit: 143")
 
 
 @dataclass
@@ -71,7 +72,7 @@ class Job:
         except json.JSONDecodeError:
             return "unfinished"
         status, error = record.get("status", COMPLETED), str(record.get("error") or "")
-        if status == FAILED and not error.startswith(STOPPED):
+        if status == FAILED and not (error.startswith("KeyboardInterrupt") or error in STOPPED):
             return FAILED
         return COMPLETED if status == COMPLETED else "stopped"
 
