@@ -21,7 +21,7 @@ from helpers import CASES, build, random_qkv
 
 import longseq.attention
 from longseq.attention import ATTENTION_REGISTRY
-from longseq.attention.ops.cpu.grid_flash import _CausalRowColumnFlash
+from longseq.attention.ops.cpu.grid_flash import FlashPart, grid_flash_attention
 from longseq.attention.ops.joint_softmax import LogitGroup, joint_groups_attention
 from longseq.attention.ops.prefix_sums import causal_kernel_attention
 from longseq.runner import train
@@ -90,7 +90,7 @@ def custom_functions() -> list[type[torch.autograd.Function]]:
 
 def test_every_custom_function_is_autocast_safe():
     functions = custom_functions()
-    assert {"_CausalRowColumnFlash", "_JointGroupsAttention", "LevelScores"} <= {
+    assert {"_GridFlash", "_JointGroupsAttention", "LevelScores"} <= {
         f.__name__ for f in functions
     }
     unsafe = [f.__name__ for f in functions if not getattr(f, "autocast_safe", False)]
@@ -113,11 +113,15 @@ def joint_call(rows, cols):
 
 
 def flash_call(rows, cols):
-    n, D = rows[0].shape[2], rows[0].shape[-1]
+    """The CPU engine's causal row/column merge (``_GridFlash``): own row (row layout) + the column entries of the
+    earlier rows, given in column layout (the column queries are the row queries themselves)."""
+    n, m, D = rows[0].shape[2:]
     BH = rows[0].shape[0] * rows[0].shape[1]
-    rows4 = [x.reshape(BH, n, -1, D) for x in rows]
-    cols4 = [x.reshape(BH, x.shape[2], n, D)[:, :, : n - 1].contiguous() for x in cols]
-    return _CausalRowColumnFlash.apply(*rows4, *cols4, D**-0.5)
+    rows4 = [x.reshape(BH, n, m, D) for x in rows]
+    cols4 = [x.reshape(BH, m, n, D) for x in cols[1:]]
+    parts = [FlashPart("row", (0, n, 0, m), (0, n, 0, m), (0, 1, 2), causal=True),
+             FlashPart("col", (1, n, 0, m), (0, n - 1, 0, m), (0, 3, 4), causal=True)]
+    return grid_flash_attention(parts, [*rows4, *cols4], ["row"] * 3 + ["col"] * 2, D**-0.5)
 
 
 def causal_kernel_call(rows, cols):

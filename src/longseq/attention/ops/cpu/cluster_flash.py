@@ -66,7 +66,7 @@ class _ClusterSlotsFlash(torch.autograd.Function):
     A part whose row has no key gets log-sum-exp -inf (the kernel reports 0 there), so it weighs nothing in the
     merge. Backward calls each part's flash backward with the JOINT output and log-sum-exp: exactly the joint
     softmax's gradient restricted to that part (a row without keys there has zero weights, so zero gradient).
-    Same idea as ``grid_flash._CausalRowColumnFlash``, with the slot gather and the per-query masks of this
+    Same idea as ``grid_flash._GridFlash``, with the slot gather and the per-query masks of this
     partition.
 
     Inputs: ``index`` = (slot_rows (BH*K*S,), query_slot (BH*L,), routed (BH*L,), slot_segment (BH, K, S),

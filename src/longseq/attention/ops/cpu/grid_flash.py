@@ -1,10 +1,13 @@
 """Joint softmax on the ``n x m`` grid as fused CPU flash-attention calls merged by their log-sum-exps (CPU engine).
 
-- ``causal_row_column_flash`` (``_CausalRowColumnFlash``): own row causal + own column's earlier rows as two
-  fused CPU flash-attention calls merged exactly by their log-sum-exps (``axial``, causal ``combiner_axial``).
-- ``grid_flash_attention`` (``_GridFlash``): the general form of that merge, any number of ``FlashPart``s — each
-  one fused CPU flash call over a window of the ``n x m`` grid, in row or column layout, causal and/or with an
-  additive mask — merged by log-sum-exps; the pooled axial Combiners run their whole joint softmax on it.
+- ``grid_flash_attention`` (``_GridFlash``): any number of ``FlashPart``s — each one fused CPU flash call over a
+  window of the ``n x m`` grid, in row or column layout, causal and/or with an additive mask — merged by
+  log-sum-exps; the pooled axial Combiners run their whole joint softmax on it.
+- ``causal_row_column_flash``: its two-part case, own row causal + own column's earlier rows (``axial``, causal
+  ``combiner_axial``). It had a Function of its own (``_CausalRowColumnFlash``, column operands copied into
+  column layout); the general one takes transposed views instead and computes the same sums (equal to rounding:
+  1 ulp in fp32, exact in bf16 on the tests' inputs); last wave's measurement found the general one faster on
+  the row/column case (#22).
 
 When they run is decided by ``ops.dispatch`` (the ``cpu_flash`` backend); the explicit paths they equal live in
 ``ops.joint_softmax`` and the variants.
@@ -19,67 +22,6 @@ import torch
 
 from longseq.attention.ops.amp import autocast_function
 from longseq.attention.ops.cpu.kernels import flash_attention, flash_attention_backward
-
-
-@autocast_function
-class _CausalRowColumnFlash(torch.autograd.Function):
-    """Causal joint softmax from two fused CPU flash-attention calls merged by their log-sum-exps.
-
-    Own-row keys (causal inside the row) and the summaries of strictly earlier rows seen from the
-    query's column are two causal attentions: rows folded into heads ``(BH, n, m, D)``, and columns
-    folded into heads ``(BH, m, n - 1, D)`` with queries of rows ``1..n-1`` against summaries of rows
-    ``0..n-2`` (row r may use r' < r, i.e. ``r' <= r - 1``: plain ``is_causal``). The two parts are
-    merged exactly by their log-sum-exps; the backward calls the flash backward of each part with the
-    JOINT output and log-sum-exp, which is exactly the joint softmax's gradient restricted to that
-    part. CPU only (the ``_for_cpu`` kernels return the log-sum-exp that public SDPA hides).
-
-    Inputs: ``q_row, k_row, v_row`` ``(BH, n, m, D)`` (q unscaled, ``scale`` = 1/sqrt(D));
-    ``q_col`` ``(BH, m, n - 1, D)`` (queries of rows >= 1); ``sk_col, sv_col`` ``(BH, m, n - 1, D)``
-    (summaries of rows <= n - 2). Output ``(BH, n, m, D)``.
-    """
-
-    @staticmethod
-    def forward(ctx, q_row, k_row, v_row, q_col, sk_col, sv_col, scale):
-        out_direct, lse_direct = flash_attention(q_row, k_row, v_row, 0.0, True, scale=scale)  # lse (BH, n, m)
-        out_summary, lse_summary = flash_attention(q_col, sk_col, sv_col, 0.0, True, scale=scale)  # lse (BH, m, n-1)
-        lse_summary = lse_summary.transpose(1, 2)  # (BH, n-1[r>=1], m)
-        lse = lse_direct.clone()
-        lse[:, 1:] = torch.logaddexp(lse_direct[:, 1:], lse_summary)
-        out = out_direct.mul_((lse_direct - lse).exp_().unsqueeze(-1))
-        out[:, 1:] += out_summary.transpose(1, 2) * (lse_summary - lse[:, 1:]).exp_().unsqueeze(-1)
-        ctx.save_for_backward(q_row, k_row, v_row, q_col, sk_col, sv_col, out, lse)
-        ctx.scale = scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q_row, k_row, v_row, q_col, sk_col, sv_col, out, lse = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        grads_row = flash_attention_backward(grad_out, q_row, k_row, v_row, out, lse, 0.0, True, scale=ctx.scale)
-        in_columns = [x[:, 1:].transpose(1, 2).contiguous() for x in (grad_out, out, lse.unsqueeze(-1))]
-        grads_col = flash_attention_backward(
-            in_columns[0], q_col, sk_col, sv_col, in_columns[1], in_columns[2].squeeze(-1), 0.0, True, scale=ctx.scale
-        )
-        return (*grads_row, *grads_col, None)
-
-
-def causal_row_column_flash(qr, kr, vr, column_k, column_v) -> torch.Tensor:
-    """One causal softmax per query ``(r, c)`` over its own row (``c' <= c``) and, from its own column, the
-    entries ``(r', c)`` of ``column_k, column_v`` for every earlier row ``r' < r``.
-
-    Row layouts ``(B, H, n, m, D)`` in and out, q NOT scaled. Row-major Combiner passes the row summaries
-    as the column entries, sparse ``axial`` the raw keys and values. Two fused flash calls
-    (``_CausalRowColumnFlash``); CPU, at least two rows, one head size for q, k and v (``ops.dispatch`` checks).
-    """
-    B, H, n, m, D = qr.shape
-    rows4 = [x.reshape(B * H, n, m, D) for x in (qr, kr, vr)]
-    q_col, k_col, v_col = (  # (B*H, m, n-1, D): queries of rows >= 1, column entries of rows <= n-2
-        x[:, :, rows].transpose(2, 3).reshape(B * H, m, n - 1, D)  # one copy into column layout
-        for x, rows in ((qr, slice(1, None)), (column_k, slice(None, -1)), (column_v, slice(None, -1)))
-    )
-    out = _CausalRowColumnFlash.apply(*rows4, q_col, k_col, v_col, 1.0 / math.sqrt(D))
-    return out.view(B, H, n, m, D)
-
 
 # ------------------------------------------------------------------------------------------------
 # Joint softmax as fused flash calls on windows of the grid.
@@ -141,7 +83,7 @@ class _GridFlash(torch.autograd.Function):
     Forward: one flash call per part (its output and log-sum-exp per query), then the joint log-sum-exp
     ``lse = log sum_p exp(lse_p)`` and ``out = sum_p exp(lse_p - lse) out_p`` on each part's query window.
     Backward: each part's flash backward with the JOINT output and log-sum-exp, which is exactly the joint
-    softmax's gradient restricted to that part's keys (as in ``_CausalRowColumnFlash``); gradients are added
+    softmax's gradient restricted to that part's keys; gradients are added
     into each operand's windows, no zero-filled full-size buffer per part. Every operand, output and gradient is
     handed to the kernels as a (transposed) view: no layout copies.
 
@@ -213,3 +155,20 @@ def grid_flash_attention(parts: list[FlashPart], tensors: list[torch.Tensor], la
     if first.layout != "row" or first.query_window != (0, n, 0, m):
         raise ValueError("grid_flash_attention: the first part must cover the whole grid in row layout")
     return _GridFlash.apply(tuple(layouts), tuple(parts), scale, *tensors)
+
+
+def causal_row_column_flash(qr, kr, vr, column_k, column_v) -> torch.Tensor:
+    """One causal softmax per query ``(r, c)`` over its own row (``c' <= c``) and, from its own column, the
+    entries ``(r', c)`` of ``column_k, column_v`` for every earlier row ``r' < r``.
+
+    Row layouts ``(B, H, n, m, D)`` in and out, q NOT scaled. Row-major Combiner passes the row summaries
+    as the column entries, sparse ``axial`` the raw keys and values. Two ``FlashPart``s of ``grid_flash_attention``:
+    the own row (row layout, causal) and the column entries of the earlier rows (column layout, rows shifted by
+    one: row r may use r' <= r - 1, plain ``is_causal``), merged by their log-sum-exps. CPU, at least two rows,
+    one head size for q, k and v (``ops.dispatch`` checks).
+    """
+    B, H, n, m, D = qr.shape
+    tensors = [x.reshape(B * H, n, m, D) for x in (qr, kr, vr, column_k, column_v)]
+    parts = [FlashPart("row", (0, n, 0, m), (0, n, 0, m), (0, 1, 2), causal=True),
+             FlashPart("col", (1, n, 0, m), (0, n - 1, 0, m), (0, 3, 4), causal=True)]
+    return grid_flash_attention(parts, tensors, ["row"] * 5, 1.0 / math.sqrt(D)).view(B, H, n, m, D)

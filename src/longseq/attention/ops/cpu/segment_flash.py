@@ -73,7 +73,7 @@ class _CombinerFixedFlash(torch.autograd.Function):
       one-query softmax of ``q_bar`` over the segment's keys (small ``(BH, n, m)`` weights, batched
       matrix-vector products);
     - the joint softmax over [own segment ; usable summaries] is fused CPU flash-attention calls merged exactly
-      by their log-sum-exps (the merge of ``grid_flash._CausalRowColumnFlash``): the own segment
+      by their log-sum-exps (the merge of ``grid_flash._GridFlash``): the own segment
       ``(BH, n, m, D)`` (segments in the heads slot, ``is_causal`` when causal), and per ``SummaryChunk`` its
       queries in one head against the summaries they may use. Causal segment 0 has no summary: its summary
       log-sum-exp is -inf, so the merge keeps its own-segment row. The backward calls each part's flash backward
