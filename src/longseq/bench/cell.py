@@ -298,7 +298,11 @@ def flex_tiles(registry_name: str, length: int, kwargs: dict[str, Any], tile: in
     by causal full attention's (``ops.flex.flex_tiles_visited``; counted from the ``BlockMask``s, nothing runs), and
     a note: NaN with the reason where the variant has no flex layout or cannot be built."""
     from longseq.attention import ATTENTION_REGISTRY, build_attention
-    from longseq.attention.ops.flex import flex_tiles_visited, flex_unsupported_reason, unsupported_variant_reason
+    from longseq.attention.ops.flex import (
+        flex_tiles_visited,
+        flex_unsupported_reason,
+        unsupported_variant_reason,
+    )
 
     try:
         reason = unsupported_variant_reason(registry_name, ATTENTION_REGISTRY[registry_name].cls.family)

@@ -329,7 +329,7 @@ def tiles_of(mask: BlockMask) -> float:
     return float(int(mask.kv_num_blocks.sum()) + full)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def causal_full_tiles(L: int, tile: int = TILE) -> float:
     """Tiles causal full attention's block mask visits at length L (the denominator of ``flex_tiles_visited``)."""
     return tiles_of(build_block_mask(lambda b, h, q, kv: kv <= q, 1, 1, L, L, "cpu", tile))
@@ -500,7 +500,7 @@ def _layout_combiner_logsparse(attn, L, device, tile):
             flipped = [x.flip(-2) for x in (qs, k, v)]
             parts.append(direction_summaries(*flipped, None if real is None else real.flip(-1), levels))
         k_rows, v_rows, occ_rows = [], [], []
-        for fut, part in enumerate(parts):
+        for part in parts:
             k_rows.append(torch.cat([part[lvl][0] for lvl in levels], -2))
             v_rows.append(torch.cat([part[lvl][1] for lvl in levels], -2))
             occ_rows.append(torch.cat([part[lvl][2] for lvl in levels], -1))
