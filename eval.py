@@ -7,6 +7,7 @@ Errors print as one line, ``error: <key>: <message>`` (``HYDRA_FULL_ERROR=1``: f
 """
 
 import os
+import sys
 from pathlib import Path
 
 os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parent))
@@ -16,7 +17,7 @@ from omegaconf import DictConfig, open_dict  # noqa: E402
 
 from longseq.runner import check_eval_mode, evaluate, sample  # noqa: E402
 from longseq.utils.checkpoint import resolve_ckpt_path  # noqa: E402
-from longseq.utils.config import register_resolvers  # noqa: E402
+from longseq.utils.config import check_composition, register_resolvers  # noqa: E402
 from longseq.utils.console import full_errors, report_and_exit  # noqa: E402
 
 register_resolvers()
@@ -41,4 +42,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_composition(sys.argv, Path(__file__).resolve().parent / "conf", "eval")  # a bad override: one error: line
     main()

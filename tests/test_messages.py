@@ -182,3 +182,15 @@ def test_composition_errors_print_one_line_naming_the_key(overrides, line, capsy
     assert info.value.code == 1
     assert capsys.readouterr().err.startswith(line)
     check_composition(["train.py", "attention=combiner", "partition=axial"], CONF, "train")  # a good command passes
+
+
+def test_eval_composition_errors_name_the_key(capsys, monkeypatch):
+    from conftest import CONF
+
+    from longseq.utils.config import check_composition
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit):
+        check_composition(["eval.py", "ckpt_path=x.ckpt", "splt=val"], CONF, "eval")
+    assert capsys.readouterr().err.startswith("error: splt: not a key of this config (did you mean split? a new key "
+                                              "needs +splt=val); the config has ckpt_path,")
