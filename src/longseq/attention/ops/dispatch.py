@@ -108,7 +108,7 @@ def static_reason(backend: str, variant: Variant) -> str | None:
     """Why ``variant`` can never run on ``backend`` (known at construction), or None."""
     if backend == "cpu_flash":
         if variant.cpu_flash is None:
-            return f"attention '{variant.name}' has no cpu_flash path (the CPU engine covers it only through explicit)"
+            return f"attention '{variant.name}' has no cpu_flash path (on CPU it runs explicit)"
         if variant.cpu_flash.causal_only and not variant.causal:
             return f"attention '{variant.name}' has a cpu_flash path for causal use only (attention.causal=false)"
     if backend == "flex":
