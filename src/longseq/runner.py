@@ -25,8 +25,13 @@ from longseq.callbacks.nonfinite import resume_advice
 from longseq.callbacks.progress import console_callbacks
 from longseq.report.outcome import records_run_outcome
 from longseq.utils.checkpoint import AtomicCheckpointIO, check_model_matches, read_checkpoint
-from longseq.utils.config import (check_batch_sizes, check_task_geometry, check_trainer_types, ensure_csv_logger,
-                                  register_resolvers)
+from longseq.utils.config import (
+    check_batch_sizes,
+    check_task_geometry,
+    check_trainer_types,
+    ensure_csv_logger,
+    register_resolvers,
+)
 from longseq.utils.console import quiet_lightning
 from longseq.utils.errors import ConfigError, NonFiniteError
 

@@ -63,7 +63,7 @@ _ROOT = "|".join(CONFIG_ROOTS)
 # ``attention.window must ...``, ``task.batch_size=7 (global ...)``, ``attention=sparse needs ...`` at the start.
 _LEADING_KEY = re.compile(rf"^(?P<key>(?:{_ROOT})(?:\.\w+)*)(?:=(?P<value>\S+))?\s+(?P<rest>.*)$", re.S)
 # ``attention 'full' does not accept attention.bogus, attention.x; ...``: the keys it lists.
-_NOT_ACCEPTED = re.compile(rf"^attention '\w+' does not accept (?P<keys>attention\.\w+(?:, attention\.\w+)*)")
+_NOT_ACCEPTED = re.compile(r"^attention '\w+' does not accept (?P<keys>attention\.\w+(?:, attention\.\w+)*)")
 # ``attention 'fnet' cannot be causal ...``: the choice ``attention=fnet`` itself.
 _NAMED_ATTENTION = re.compile(r"^attention '(?P<name>\w+)' (?P<rest>.*)$", re.S)
 # Anywhere in the message: the first ``root.key`` or ``root=`` (not inside a path or a longer word).
