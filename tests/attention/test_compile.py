@@ -38,6 +38,8 @@ DATA_DEPENDENT = {
     "routing": "bincount with data-dependent sizes in the balanced k-means assignment (ops/clustering.py)",
     "combiner_routing": "bincount with data-dependent sizes in the balanced k-means assignment (ops/clustering.py)",
     "combiner_select": "a data-dependent number of selected blocks (combiner/select.py)",
+    "moba": "data-dependent tile counts of the chosen blocks (ops/block_select.py grouped_attention)",
+    "nsa": "data-dependent tile counts of the chosen blocks (ops/block_select.py grouped_attention)",
 }
 FIXED_MERGE = "torch.mul(..., out=) a strided view in the causal flash merge (combiner/fixed.py)"
 JOINT_MERGE = "torch.logaddexp(..., out=) a strided view in the flash merge (ops/joint_softmax.py)"
@@ -45,6 +47,8 @@ KNOWN_BREAKS: dict[tuple[str, bool, str], str] = {
     ("bigbird", False, "auto"): DATA_DEPENDENT["bigbird"],
     ("bigbird", False, "explicit"): DATA_DEPENDENT["bigbird"],
     **{(name, causal, backend): DATA_DEPENDENT[name] for name in ("routing", "combiner_routing", "combiner_select")
+       for causal in (True, False) for backend in ("auto", "explicit")},
+    **{(name, causal, backend): DATA_DEPENDENT[name] for name in ("moba", "nsa")
        for causal in (True, False) for backend in ("auto", "explicit")},
     ("routing", True, "cpu_flash"): DATA_DEPENDENT["routing"],
     ("combiner_routing", True, "cpu_flash"): DATA_DEPENDENT["combiner_routing"],
