@@ -170,6 +170,21 @@ def test_combiner_select_key_padding_on_other_partitions(partition, causal):
     assert_key_padding_outcomes(attn, q, k, v, padding_masks(), full_support=True)
 
 
+@pytest.mark.parametrize("overrides,expected", [
+    ([], ("combiner_fixed", 8)),
+    (["partition=axial_vertical"], ("combiner_axial_vertical", 8)),
+    (["partition=axial_horizontal", "partition.block_size=4"], ("combiner_axial_horizontal", 4)),
+    (["attention.partition=axial_vertical"], ("combiner_axial_vertical", 8)),
+])
+def test_combiner_select_composes_with_the_partition_group(make_cfg, overrides, expected):
+    """``attention=combiner_select partition=<p>`` selects over that Combiner partition, as ``attention=combiner``."""
+    from longseq.runner import build_module
+
+    cfg = make_cfg(["attention=combiner_select", *overrides])
+    inner = build_module(cfg).net.blocks[0].attn.attention.inner
+    assert (inner.name, inner.block_size) == expected
+
+
 def test_combiner_select_rejects_partitions_without_a_select_variant():
     with pytest.raises(AttentionConfigError, match=r"attention.partition='routing'.*valid: \['fixed'"):
         build("combiner_select", True, partition="routing")
