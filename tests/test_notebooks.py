@@ -1,4 +1,5 @@
-"""notebooks/*.ipynb: stored without outputs, and each one executes top to bottom at small settings."""
+"""notebooks/*.ipynb: stored without outputs; ``make notebooks`` after a short training run executes every one top to
+bottom (small settings); a notebook without its input says so and passes."""
 
 from __future__ import annotations
 
@@ -41,22 +42,6 @@ def test_stored_notebooks_have_no_outputs(name: str) -> None:
     assert sum("parameters" in cell.metadata.get("tags", []) for cell in code) == 1
 
 
-def test_attention_patterns_notebook_proves_full_support() -> None:
-    book = execute("attention_patterns", "seq_len = 16\nblock_size = 4\nn_clusters = 2")
-    text = text_of(book)
-    assert "full support for every Combiner variant: True" in text
-    assert "combiner_axial_horizontal" in text and "combiner_routing" in text
-    assert images_of(book) == 1
-
-
-def test_benchmark_notebook_plots_ratios() -> None:
-    csv = ROOT / "docs" / "bench_cpu_fwd_bwd.csv"
-    book = execute("benchmark", f"results_csv = {str(csv)!r}\nattentions = ['full', 'fixed', 'combiner_fixed']")
-    text = text_of(book)
-    assert "combiner_fixed" in text and "16384" in text
-    assert images_of(book) == 1
-
-
 def test_results_notebook_aggregates_a_multirun(tmp_path: Path) -> None:
     root = tmp_path / "multirun"
     for job, ((attention, seed), value) in enumerate(VALUES.items()):
@@ -72,10 +57,12 @@ def test_results_notebook_aggregates_a_multirun(tmp_path: Path) -> None:
     assert images_of(book) == 1
 
 
-def test_make_notebooks_after_a_short_train_runs_every_notebook(tmp_path: Path) -> None:
+def test_make_notebooks_after_a_short_train_runs_every_notebook(tmp_path: Path, monkeypatch, one_thread) -> None:
     """``make notebooks`` right after ``make train`` (no Table 1 sweep): every notebook runs; results reports the
     trained run with its curve (from the CSV every run writes), samples draws from its checkpoint."""
     from conftest import compose_config
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the kernels: tiny tensors, thread start-up would dominate
 
     from longseq.report.notebooks import main
     from longseq.runner import train
@@ -85,9 +72,18 @@ def test_make_notebooks_after_a_short_train_runs_every_notebook(tmp_path: Path) 
     train(compose_config(["callbacks.samples.n_samples=0", "callbacks.attention_maps.enabled=false",
                           "trainer.log_every_n_steps=1"], run))
     out = tmp_path / "executed"
-    params = ["--param", f"logs_dir = {str(logs)!r}", "--param", "n_samples = 2", "--param", "n_completions = 2"]
-    assert main(["--out", str(out), *params]) == 0
+    csv = ROOT / "docs" / "bench_cpu_fwd_bwd.csv"  # benchmark.ipynb would read the newest logs/bench/ run
+    params = [f"logs_dir = {str(logs)!r}", "n_samples = 2", "n_completions = 2",  # results, samples
+              "seq_len = 16", "block_size = 4", "n_clusters = 2",  # attention_patterns at a small size
+              f"results_csv = {str(csv)!r}", "attentions = ['full', 'fixed', 'combiner_fixed']"]  # benchmark
+    assert main(["--out", str(out), *(arg for line in params for arg in ("--param", line))]) == 0
     assert sorted(p.stem for p in out.glob("*.ipynb")) == NAMES
+    patterns = nbformat.read(out / "attention_patterns.ipynb", as_version=4)
+    assert "full support for every Combiner variant: True" in text_of(patterns)
+    assert "combiner_axial_horizontal" in text_of(patterns) and "combiner_routing" in text_of(patterns)
+    assert images_of(patterns) == 1
+    bench = nbformat.read(out / "benchmark.ipynb", as_version=4)
+    assert "combiner_fixed" in text_of(bench) and "16384" in text_of(bench) and images_of(bench) == 1
     results = nbformat.read(out / "results.ipynb", as_version=4)
     assert "1 runs" in text_of(results) and "no val/bpd curve" not in text_of(results)
     assert images_of(results) == 1
