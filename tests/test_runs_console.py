@@ -104,7 +104,10 @@ def test_error_summary_is_one_line_naming_the_key_file_or_step():
     assert error_summary(NonFiniteError("train/loss", 7, "loss=nan")) == "error: train/loss: not finite at step 7 (loss=nan)"
     worker = RuntimeError("\n\n-- Process 0 terminated with the following error:\nTraceback (most recent call last):\n"
                           '  File "x.py", line 1\nlongseq.utils.errors.NonFiniteError: train/loss: not finite at step 3\n')
-    assert error_summary(worker) == "error: longseq.utils.errors.NonFiniteError: train/loss: not finite at step 3"
+    assert error_summary(worker) == "error: train/loss: not finite at step 3"  # the worker's own key, not its type
+    worker = RuntimeError("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+                          "ValueError: task.batch_size=3 (global batch) must be even\n")
+    assert error_summary(worker) == "error: task.batch_size: 3 (global batch) must be even"
     # A datamodule is built through hydra.utils.instantiate, which wraps its constructor's error: unwrapped.
     from hydra.errors import InstantiationException
 

@@ -82,7 +82,13 @@ def error_summary(exc: BaseException) -> str:
     elif "Traceback (most recent call last)" in str(exc):
         # A spawned DDP worker's exception arrives as its formatted traceback: keep its last line.
         last = [line for line in str(exc).strip().splitlines() if line.strip()][-1]
-        where, _, message = last.partition(": ")
+        type_name, _, message = last.partition(": ")
+        where = type_name
+        head, sep, rest = message.partition(": ")
+        if sep and head and " " not in head:  # the worker's own "<key or file or metric>: <message>" (ConfigError ...)
+            where, message = head, rest
+        elif (named := key_and_message(ValueError(message))) is not None:  # a message naming its config key
+            where, message = named
     elif (named := key_and_message(exc)) is not None:  # AttentionConfigError, ValueError ... naming their key
         where, message = named
     else:
