@@ -3,8 +3,6 @@ a learnability check that proves the labels do not leak."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -14,7 +12,6 @@ from hydra.errors import InstantiationException
 from longseq.attention import ATTENTION_REGISTRY
 from longseq.data.recall import (
     IGNORE_INDEX,
-    MqarDataModule,
     MqarGenerator,
     NeedleGenerator,
     RecallDataset,
@@ -238,9 +235,8 @@ def test_mqar_run_writes_metrics_breakdown_and_figures(make_cfg, tmp_path):
 
 
 def study_attentions() -> list[str]:
-    from omegaconf import OmegaConf
-
     from conftest import CONF
+    from omegaconf import OmegaConf
 
     return OmegaConf.load(CONF / "recall" / "study.yaml").hydra.sweeper.params.attention.split(",")
 
@@ -373,3 +369,12 @@ def test_full_learns_mqar_where_a_short_local_window_stays_at_chance(one_thread)
     assert full_all > 0.9 and full_far > 0.9
     assert local_far < chance + 0.05
     assert local_all < 0.5
+
+
+def test_needle_study_takes_the_mqar_search_table(tmp_path):
+    from longseq.report import recall_study as study
+
+    table = tmp_path / "lr_table.yaml"
+    assert study.lr_table_for("needle", tmp_path, {}, table) == {}  # no search yet: conf/recall/study.yaml's table
+    table.write_text("recall_lr:\n  full: 0.01\n  local: 0.003\n")
+    assert study.lr_table_for("needle", tmp_path, {}, table) == {"full": 0.01, "local": 0.003}

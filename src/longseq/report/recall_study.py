@@ -6,8 +6,8 @@ configs ``python train.py -m experiment=recall/<name>`` runs as a plain multirun
 
 - ``mqar``: ``recall/mqar_lr`` (the per-attention learning-rate search), then ``recall/mqar`` (L = 256, 3 seeds)
   and ``recall/mqar_long`` (L = 1,024), each job with the learning rate its attention won in the search;
-- ``needle``: ``recall/needle``, with the learning rates of the MQAR search when ``<mqar study>/lr_table.yaml``
-  exists, else the table of ``conf/recall/study.yaml``.
+- ``needle``: ``recall/needle``, with the learning rates of the MQAR search when its ``lr_table.yaml`` exists
+  (``--lr-table``, default ``logs/recall_mqar/study/lr_table.yaml``), else the table of ``conf/recall/study.yaml``.
 
 Each job is one ``train.py`` run in ``<root>/<stage>/<job name>`` (``hydra.run.dir``), so a stopped study goes
 on where it stopped: a job whose ``metrics.json`` says ``completed`` is skipped, a job that never finished (no
@@ -174,8 +174,9 @@ def print_status(stages: dict[str, list[Job]]) -> int:
     return left
 
 
-def lr_table_for(task: str, root: Path, stages: dict[str, list[Job]]) -> dict[str, float]:
-    """The searched learning rates: this study's search (MQAR), or the MQAR study's table (needle)."""
+def lr_table_for(task: str, root: Path, stages: dict[str, list[Job]], mqar_table: Path) -> dict[str, float]:
+    """The searched learning rates: this study's search (MQAR), or the MQAR study's ``lr_table.yaml`` (needle;
+    empty when it does not exist: the jobs then use ``recall_lr`` of ``conf/recall/study.yaml``)."""
     if LR_STAGE in stages:
         table = pick_lrs(stages[LR_STAGE])
         if table:
@@ -184,7 +185,6 @@ def lr_table_for(task: str, root: Path, stages: dict[str, list[Job]]) -> dict[st
                 "# recall_lr in conf/recall/study.yaml so that plain -m runs use it too\n"
                 + yaml.safe_dump({"recall_lr": table}, sort_keys=False))
         return table
-    mqar_table = root.parent / "recall_mqar" / "study" / "lr_table.yaml"
     if mqar_table.is_file():
         return dict(yaml.safe_load(mqar_table.read_text())["recall_lr"])
     return {}
@@ -264,6 +264,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--report", action="store_true", help="only write the table and figure of what is done")
     parser.add_argument("--retry-failed", action="store_true", help="run failed jobs again")
     parser.add_argument("--figure", type=Path, help="also copy the figure here (e.g. docs/recall_mqar.png)")
+    parser.add_argument("--lr-table", type=Path, default=PROJECT_ROOT / "logs" / "recall_mqar" / "study" / "lr_table.yaml",
+                        help="needle: the MQAR search's table (default: the MQAR study's default root)")
     parser.add_argument("--only", help="comma-separated attentions to run (default: every one of the sweep)")
     return parser.parse_intermixed_args(argv)
 
@@ -283,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report:
         for stage, jobs in stages.items():
             if stage != LR_STAGE:
-                table = lr_table_for(args.task, root, stages)
+                table = lr_table_for(args.task, root, stages, args.lr_table)
                 for job in jobs:
                     attention = dict(o.split("=", 1) for o in job.overrides)["attention"]
                     job.extra = [f"{LR_KEY}={table[attention]}"] if attention in table else []

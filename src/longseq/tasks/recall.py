@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
