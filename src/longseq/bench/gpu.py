@@ -505,6 +505,8 @@ def run_gpu_check(cfg: DictConfig) -> tuple[Path, bool]:
     memory_method = "cuda" if device.startswith("cuda") else cells.cpu_memory_method()
     env = report.environment(device, None, memory_method, isolated=False)
     env["cuda_devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    env["triton"] = report._version("triton")  # FlexAttention's kernels are generated Triton
+    env["cudnn"] = torch.backends.cudnn.version() if torch.cuda.is_available() else None
     env["backends"] = ", ".join(backends())
     flops = peak_flops(env.get("gpu")) if device.startswith("cuda") else None
     print(f"gpu-check on {env['gpu'] or env['cpu']} ({device}) -> {out}", flush=True)
