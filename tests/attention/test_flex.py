@@ -32,7 +32,7 @@ MASK_L, MASK_BLOCK = 64, 8  # create_mask against the partition's dense support
 
 IMPLEMENTED = {"combiner_fixed", "combiner_logsparse", "combiner_axial", "combiner_axial_vertical",
                "combiner_axial_horizontal", "combiner_mixture", "fixed", "axial", "local", "longformer", "strided",
-               "logsparse", "bigbird", "random"}
+               "logsparse", "bigbird", "random", "routing"}
 
 
 def supported(cases, seq_len, block_size):
@@ -89,7 +89,8 @@ def regions_match(flex_part: Partition, part: Partition) -> None:
     assert ((flex_part.usable.double() @ same.double()) <= 1).all()
 
 
-MASK_CASES = supported(CASES, MASK_L, MASK_BLOCK)
+# layouts read from the geometry alone (``routing``'s masks read the batch's clusters: tested below)
+MASK_CASES = [(name, causal) for name, causal in supported(CASES, MASK_L, MASK_BLOCK) if name not in flex.DATA_LAYOUTS]
 
 
 @pytest.mark.parametrize("name,causal", MASK_CASES)
@@ -203,3 +204,15 @@ def test_compiled_flex_on_cuda_forward_and_gradients(name, causal):
     torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)
     for got, want in zip(flex_grads, ref_grads):
         torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_routing_mask_reads_the_batch_clusters(causal):
+    """``routing``'s mask (per batch and head, from this batch's k-means clusters) is the dense reference's
+    ``allowed(key_clusters, query_routes)``; its tiles are data dependent (NaN)."""
+    attn = build("routing", causal, seq_len=L, block_size=BLOCK).eval()
+    q, k, v = random_qkv(L=L, dtype=torch.float32, seed=5)
+    (plan,) = flex.DATA_LAYOUTS["routing"](attn, q, k, v)
+    mask = flex.create_mask(plan.mask_mod(L), 2, plan.heads, L, L, "cpu")
+    assert torch.equal(mask, attn.allowed(*attn.assign(k)))
+    assert math.isnan(flex_tiles_visited(attn, L))

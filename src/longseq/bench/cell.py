@@ -312,6 +312,7 @@ def flex_tiles(registry_name: str, length: int, kwargs: dict[str, Any], tile: in
         reason = flex_unsupported_reason(attention)
         if reason is not None:
             return math.nan, reason
-        return flex_tiles_visited(attention, length, tile=tile), ""
+        value = flex_tiles_visited(attention, length, tile=tile)
+        return value, "" if not math.isnan(value) else "its block masks depend on the batch (k-means clusters)"
     except Exception as error:  # one variant's failure is a note, not a stopped sweep
         return math.nan, f"{type(error).__name__}: {error}".splitlines()[0]

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -53,7 +54,7 @@ from torch.nn.attention.flex_attention import (
 )
 
 from longseq.attention.base import Attention, AttentionConfigError
-from longseq.attention.ops.geometry import num_log_levels
+from longseq.attention.ops.geometry import cluster_order, num_log_levels
 from longseq.attention.ops.masks import NEG_INF
 from longseq.attention.ops.partition import Partition
 
@@ -80,11 +81,11 @@ class FlexPlan:
     """One ``flex_attention`` call of a layout, in its own order of positions.
 
     Attributes:
-        direct: ``direct(h, q, kv) -> bool`` for call-order indices ``q``, ``kv`` in ``[0, L)`` (0-d tensors under
-            the mask's vmap): the query attends key ``kv`` directly.
+        direct: ``direct(b, h, q, kv) -> bool`` for call-order indices ``q``, ``kv`` in ``[0, L)`` (0-d tensors under
+            the mask's vmap, broadcast index grids in ``build_block_mask``): the query attends key ``kv`` directly.
         order: ``(L,)`` long, the position of each call-order index (None = sequence order).
         n_regions: R, the summaries appended after the keys.
-        usable: ``usable(h, q, r) -> bool``: the query may use summary ``r`` in ``[0, R)``.
+        usable: ``usable(b, h, q, r) -> bool``: the query may use summary ``r`` in ``[0, R)``.
         summaries: ``summaries(qs, k, v, real) -> (k_bar, v_bar, occupied)``: summary keys ``(B, H, R, D)`` and values
             ``(B, H, R, Dv)`` from scaled queries, keys and values in sequence order; ``real`` ``(B, L)`` bool
             (True = real key) or None; ``occupied`` ``(B, R)`` bool (the region holds a real key) or None.
@@ -127,12 +128,12 @@ class FlexPlan:
             ok = None
             if keys:
                 key = kv.clamp(max=L - 1)
-                ok = direct(h, q, key) & (kv < L)
+                ok = direct(b, h, q, key) & (kv < L)
                 if real is not None:
                     ok = ok & real[b, key]
             if R:
                 region = (kv - keys).clamp(min=0, max=R - 1)
-                use = usable(h, q, region) & (kv >= keys)
+                use = usable(b, h, q, region) & (kv >= keys)
                 if occupied is not None:
                     use = use & occupied[b, region]
                 ok = use if ok is None else ok | use
@@ -198,6 +199,8 @@ def plans_of(attn: Attention, L: int, device, tile: int) -> list[FlexPlan]:
     reason = flex_unsupported_reason(attn)
     if reason is not None:
         raise AttentionConfigError(f"attention '{attn.name}' has no flex layout (attention.backend=flex): {reason}")
+    if attn.name in DATA_LAYOUTS:
+        raise ValueError(f"attention '{attn.name}': its flex calls depend on the data (DATA_LAYOUTS), not on L alone")
     key = ("plans", L, str(device), tile)
     cache = _cache(attn)
     if key not in cache:
@@ -251,7 +254,7 @@ def unsupported_variant_reason(name: str, family: str) -> str | None:
     module (the benchmark asks before building a variant that may hold an (L, L) parameter)."""
     if name == "full":
         return "full attention stays on SDPA (FlashAttention), which needs no mask"
-    if name not in LAYOUTS:
+    if name not in LAYOUTS and name not in DATA_LAYOUTS:
         if family == "efficient":
             return f"'{name}' is not a partition of keys (an efficient approximation): no block mask describes it"
         return f"no flex layout is written for attention '{name}' yet"
@@ -270,6 +273,14 @@ def flex_attention_forward(attn: Attention, q: torch.Tensor, k: torch.Tensor, v:
     B, H, L, _ = q.shape
     attn.check_length(L)
     tile = tile or tile_size(L)
+    if attn.name in DATA_LAYOUTS:  # masks from this batch's clusters: built per call, never cached
+        if key_padding_mask is not None:
+            raise AttentionConfigError(f"attention '{attn.name}' takes no key_padding_mask")
+        qs = attn.scale(q)
+        calls = [(_flex_in_order(qs, _in_order(k, plan), _in_order(v, plan), build_block_mask(
+            plan.mask_mod(L), B, plan.heads, L, plan.kv_len(L), q.device, tile), plan))
+            for plan in DATA_LAYOUTS[attn.name](attn, q, k, v)]
+        return merge_by_lse(*zip(*calls))[0]
     plans = plans_of(attn, L, q.device, tile)
     pad = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.bool)
     qs = attn.scale(q)
@@ -315,7 +326,9 @@ def _flex_in_order(qs, keys, values, mask, plan) -> tuple[torch.Tensor, torch.Te
 def flex_tiles_visited(attn: Attention, L: int, device="cpu", tile: int = TILE) -> float:
     """Tiles (``tile`` x ``tile``) the flex calls visit at length L, counted from their ``BlockMask``s (partial +
     full blocks, averaged over the heads the mask distinguishes), divided by causal full attention's at the same
-    L and tile. Hardware independent; no attention runs."""
+    L and tile. Hardware independent; no attention runs. NaN for layouts that depend on the data (``routing``)."""
+    if attn.name in DATA_LAYOUTS:
+        return math.nan
     total = 0.0
     for index, plan in enumerate(plans_of(attn, L, device, tile)):
         mask = block_mask_of(attn, index, plan, L, device, tile)
@@ -419,11 +432,11 @@ def _layout_combiner_fixed(attn, L, device, tile):
     n, m = grid.n_rows, grid.n_cols
     causal = attn.causal
 
-    def direct(h, q, kv):
+    def direct(b, h, q, kv):
         same = (q // m) == (kv // m)
         return same & (kv <= q) if causal else same
 
-    def usable(h, q, r):
+    def usable(b, h, q, r):
         return r < q // m if causal else r != q // m
 
     def summaries(qs, k, v, real):
@@ -467,13 +480,13 @@ def _layout_combiner_logsparse(attn, L, device, tile):
     level, chunk, future = _logsparse_regions(L, tile, causal, device)
     R = level.numel()
 
-    def direct(h, q, kv):
+    def direct(b, h, q, kv):
         ok = (kv == q) | ((kv == q - 1) & (q % 2 == 1))
         if not causal:
             ok = ok | ((kv == q + 1) & ((L - 1 - q) % 2 == 1))
         return ok
 
-    def usable(h, q, r):
+    def usable(b, h, q, r):
         lvl, c, fut = level[r], chunk[r], future[r]
         p = torch.where(fut, L - 1 - q, q)  # the future of q is the past of L - 1 - q
         return (((p >> lvl) & 1) == 1) & ((p >> lvl) - 1 == c)
@@ -539,11 +552,11 @@ def _layout_fixed(attn, L, device, tile):
     grid = attn.grid(L)
     n, m, c, causal = grid.n_rows, grid.n_cols, attn.summary_cells, attn.causal
 
-    def own_block(h, q, kv):
+    def own_block(b, h, q, kv):
         same = (q // m) == (kv // m)
         return same & (kv <= q) if causal else same
 
-    def summary_cells(h, q, kv):  # column order: column = index // n, row = index % n
+    def summary_cells(b, h, q, kv):  # column order: column = index // n, row = index % n
         other = (kv % n) < (q % n) if causal else (kv % n) != (q % n)
         return (kv // n >= m - c) & other
 
@@ -560,7 +573,7 @@ def _layout_axial(attn, L, device, tile):
     grid = attn.grid(L)
     n, m, causal = grid.n_rows, grid.n_cols, attn.causal
 
-    def own_row(h, q, kv):
+    def own_row(b, h, q, kv):
         same = (q // m) == (kv // m)
         return same & (kv <= q) if causal else same
 
@@ -570,7 +583,7 @@ def _layout_axial(attn, L, device, tile):
 def _own_column(n: int, causal: bool) -> Callable:
     """Direct mask of a column-order call: same column, earlier rows (causal) or other rows (self is attended in
     the sequence-order call)."""
-    def own_column(h, q, kv):  # column order: column = index // n, row = index % n
+    def own_column(b, h, q, kv):  # column order: column = index // n, row = index % n
         same = (q // n) == (kv // n)
         return same & ((kv % n) < (q % n) if causal else (kv % n) != (q % n))
 
@@ -581,7 +594,7 @@ def _layout_local(attn, L, device, tile):
     back, ahead = attn.band()
     step, g = attn.dilation, attn.global_tokens
 
-    def direct(h, q, kv):
+    def direct(b, h, q, kv):
         d = q - kv
         ok = (d % step == 0) & (d <= back * step) & (d >= -ahead * step)
         if g:
@@ -597,7 +610,7 @@ def _layout_strided(attn, L, device, tile):
     grid = attn.grid(L)
     l, causal = grid.n_cols, attn.causal
 
-    def band(h, q, kv):
+    def band(b, h, q, kv):
         d = q - kv
         return (d >= 0) & (d < l) if causal else d.abs() < l
 
@@ -615,7 +628,7 @@ def _causal_logsparse(i, j):
 def _layout_logsparse(attn, L, device, tile):
     causal = attn.causal
 
-    def direct(h, q, kv):
+    def direct(b, h, q, kv):
         ok = _causal_logsparse(q, kv)
         return ok if causal else ok | _causal_logsparse(L - 1 - q, L - 1 - kv)
 
@@ -624,7 +637,7 @@ def _layout_logsparse(attn, L, device, tile):
 
 def _layout_bigbird(attn, L, device, tile):
     grid = attn.grid(L)
-    n, b = grid.n_rows, grid.n_cols
+    n, size = grid.n_rows, grid.n_cols
     a, c = torch.arange(n).view(n, 1), torch.arange(n).view(1, n)
     glob = attn.global_block_ids(n)
     allowed = ((a - c).abs() <= 1) | torch.isin(a, glob) | torch.isin(c, glob)  # (n, n) block table
@@ -633,8 +646,8 @@ def _layout_bigbird(attn, L, device, tile):
     blocks = (allowed | hit).to(device)  # (H', n, n): query block a may attend key block c
     heads = blocks.shape[0]
 
-    def direct(h, q, kv):
-        return blocks[h if heads > 1 else 0, q // b, kv // b]
+    def direct(b, h, q, kv):
+        return blocks[h if heads > 1 else 0, q // size, kv // size]
 
     return _pattern_plan(direct, heads)
 
@@ -643,7 +656,7 @@ def _layout_random(attn, L, device, tile):
     idx, valid = (x.to(device) for x in attn.index_table(L))  # (L, K) key table of each query
     K = idx.shape[1]
 
-    def direct(h, q, kv):
+    def direct(b, h, q, kv):
         ok = (idx[q, 0] == kv) & valid[q, 0]
         for col in range(1, K):  # K = 1 + n_random, a handful: unrolled, no (L, L) mask
             ok = ok | ((idx[q, col] == kv) & valid[q, col])
@@ -680,7 +693,7 @@ def _layout_combiner_axial(attn, L, device, tile):
     grid = attn.grid(L)
     n, m, causal = grid.n_rows, grid.n_cols, attn.causal
 
-    def own_row(h, q, kv):
+    def own_row(b, h, q, kv):
         same = (q // m) == (kv // m)
         return same & (kv <= q) if causal else same
 
@@ -727,7 +740,7 @@ def _layout_pooled_axial(attn, L, device, tile):
     order = _column_order(grid, device)
     rows, cols = grid.rows(device), grid.cols(device)
 
-    def own_row(h, q, kv):
+    def own_row(b, h, q, kv):
         same = (q // m) == (kv // m)
         return same & (kv <= q) if causal else same
 
@@ -735,7 +748,7 @@ def _layout_pooled_axial(attn, L, device, tile):
     if vertical:  # slots (r, c') row-major; bidirectional: (above, below) interleaved
         v_kinds = 1 if causal else 2
 
-        def usable_vertical(h, q, s):
+        def usable_vertical(b, h, q, s):
             slot, kind = s // v_kinds, s % v_kinds
             ok = (slot // m == q // m) & (slot % m != q % m)
             r = q // m
@@ -774,9 +787,9 @@ def _layout_pooled_axial(attn, L, device, tile):
         return plans
     h_kinds = 2 if horizontal == "split" else 1
 
-    def usable_horizontal(h, t, s):  # column order: query t = c * n + r, slot = c * n + r'
+    def usable_horizontal(b, h, t, s):  # column order: query t = c * n + r, slot = c * n + r'
         slot, kind = s // h_kinds, s % h_kinds
-        ok = own_column(h, t, slot)
+        ok = own_column(b, h, t, slot)
         c = t // n
         if horizontal == "split":
             return ok & torch.where(kind == 0, c >= 1, c <= m - 2)  # the left / right half is not empty
@@ -826,6 +839,32 @@ LAYOUTS: dict[str, Callable[..., list[FlexPlan]]] = {
     "bigbird": _layout_bigbird,
     "random": _layout_random,
 }
+
+def _data_routing(attn, q, k, v) -> list[FlexPlan]:
+    """``routing`` (sparse, Routing Transformer): one call in sequence order whose mask reads this batch's k-means
+    clusters ``(B, H, L)`` (``assign``; the centroids move in training as in ``forward``). Bidirectional: same key
+    cluster. Causal: own segment up to self, plus (if the query took a slot of its route) its route's key cluster in
+    earlier segments (``ClusteredAttention.causal_direct_mask``, by index)."""
+    attn.kmeans._ensure(k)
+    clusters, routes = attn.assign(k)
+    attn.kmeans.update(k, clusters)  # a no-op in eval
+    B, H, L, _ = k.shape
+    if not attn.causal:
+        def direct(b, h, q, kv):
+            return clusters[b, h, q] == clusters[b, h, kv]
+    else:
+        K, M = attn.n_clusters, attn.segment_len(L)
+        routed = (cluster_order(routes, K + 1)[1] < L // K) & (routes < K)
+        own = torch.where(routed, routes, K)  # K: the query overflowed its centroid (no earlier cluster keys)
+
+        def direct(b, h, q, kv):
+            same_segment = q // M == kv // M
+            return (kv <= q) & (same_segment | ((kv // M < q // M) & (clusters[b, h, kv] == own[b, h, q])))
+    return [FlexPlan(direct, heads=H)]
+
+
+# Layouts whose masks depend on the batch (cluster ids): built per call by ``flex_attention_forward``.
+DATA_LAYOUTS: dict[str, Callable[..., list[FlexPlan]]] = {"routing": _data_routing}
 
 # Configurations of a supported variant that have no layout (name -> check returning a reason or None).
 UNSUPPORTED_CONFIG: dict[str, Callable[[Attention], str | None]] = {}
