@@ -11,8 +11,10 @@ index arithmetic (segment index, row / column, log level, block table), never fr
 - two calls merged exactly by their log-sum-exps for the grid variants whose keys include a column (strided in
   sequence order, it would touch every tile): own row (+ the vertical regions of the query's row) in sequence
   order, own column (+ the row-major or horizontal summaries) in column order — ``axial``, ``combiner_axial``,
-  ``combiner_axial_vertical`` / ``_horizontal``, ``combiner_mixture`` (``plans=joint``); ``strided`` and ``fixed``
-  likewise (band / own block, then the strided column / the summary cells in column order).
+  ``combiner_axial_vertical`` / ``_horizontal``, ``combiner_mixture`` (``plans=average``: one pair per plan,
+  averaged); ``strided`` and ``fixed`` likewise (band / own block, then the strided column / the summary cells in
+  column order);
+- ``routing``: one call whose mask reads this batch's k-means clusters (``DATA_LAYOUTS``: built per call).
 
 Summaries are the variant's own pooling and local expectation of v (``RegionSummary.region_summaries`` on
 reshaped segments and log-level chunks; the pooled axial variants' ``padded_prefix_summaries`` /
