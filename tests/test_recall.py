@@ -225,7 +225,8 @@ def test_mqar_run_writes_metrics_breakdown_and_figures(make_cfg, tmp_path):
     metrics = train(cfg)
     record = json.loads((tmp_path / "metrics.json").read_text())
     assert record["status"] == "completed" and 0 <= record["metrics"]["test/acc"] <= 1
-    assert {"val/acc", "val/acc_best", "val/loss", "test/loss"} <= set(metrics)
+    assert {"train/acc", "val/acc", "val/acc_best", "val/loss", "test/loss"} <= set(metrics)
+    assert 0 <= metrics["train/acc"] <= 1
     distances = [k for k in record["metrics"] if k.startswith("test/acc_distance/")]
     assert distances and all(k.split("/")[-1] in MqarGenerator(128, 64, 4).bucket_names() for k in distances)
     csv = (tmp_path / "recall" / "test_by_distance.csv").read_text().splitlines()

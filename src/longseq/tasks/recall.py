@@ -93,11 +93,17 @@ class RecallTask(SequenceTask):
         return self.net.head(self.net.features(inputs)[asked]), asked
 
     def step(self, split: str, batch) -> torch.Tensor:
+        """Loss over the batch's questions; their correctness goes into the split's ``BucketAccuracy``
+        (training: through the metric's forward, so ``train/acc`` is the batch's accuracy)."""
         inputs, labels, buckets = batch
         logits, asked = self.question_logits(inputs, labels)
         targets = labels[asked]
         loss = F.cross_entropy(logits.float(), targets)
-        self.accuracy(split).update(logits.argmax(-1) == targets, buckets[asked])
+        correct, where = logits.argmax(-1) == targets, buckets[asked]
+        if split == "train":
+            self.train_acc(correct, where)
+        else:
+            self.accuracy(split).update(correct, where)
         return loss
 
     def training_step(self, batch, batch_idx):
