@@ -26,7 +26,7 @@ from itertools import pairwise
 
 import torch
 
-from longseq.attention.ops.amp import autocast_function
+from longseq.attention.ops.amp import autocast_dtype, autocast_function, cast_floating
 
 MAX_BLOCK = 4  # few whole-tensor ops (see above); the per-block ops stay small
 
@@ -44,6 +44,36 @@ def _blocks(x: torch.Tensor, dim: int, b: int) -> torch.Tensor:
     return x.unflatten(dim, (x.shape[dim] // b, b)).movedim((dim, dim + 1), (0, 1))
 
 
+def _scan(dim: int, reverse: bool, xs) -> list[torch.Tensor]:
+    """The blocked running max of each tensor of ``xs`` along ``dim`` (the forward of ``_BlockedRunningMax``)."""
+    T = xs[0].shape[dim]
+    b = block_length(T)
+    nb = T // b
+    inner = range(b - 1, -1, -1) if reverse else range(b)  # scan order inside a block
+    outer = range(nb - 1, -1, -1) if reverse else range(nb)  # and over the blocks
+    first = inner[0]
+    outs = []
+    # Writes into the strided block views are in-place ops (copy_ then clamp_ / addcmul_), never ``out=`` a
+    # strided view: the same passes over memory, and torch.compile traces them (``out=`` breaks the graph).
+    for x in xs:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        xb, ob = _blocks(x, dim, b), _blocks(out, dim, b)  # (nb, b, ...)
+        if nb > 1:
+            seen = xb.amax(1)  # (nb, ...): each block's max, then the running max over blocks
+            for before, at in pairwise(outer):
+                seen[at].clamp_(min=seen[before])
+            opening, later = (-1, slice(None, -1)) if reverse else (0, slice(1, None))
+            earlier = slice(1, None) if reverse else slice(None, -1)
+            ob[opening, first].copy_(xb[opening, first])
+            ob[later, first].copy_(xb[later, first]).clamp_(min=seen[earlier])
+        else:
+            ob[:, first].copy_(xb[:, first])
+        for before, at in pairwise(inner):
+            ob[:, at].copy_(xb[:, at]).clamp_(min=ob[:, before])
+        outs.append(out)
+    return outs
+
+
 @autocast_function
 class _BlockedRunningMax(torch.autograd.Function):
     """Running max of one or more same-shape tensors along ``dim``, each scanned in blocks (see the module).
@@ -55,31 +85,7 @@ class _BlockedRunningMax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, dim, reverse, *xs):
-        T = xs[0].shape[dim]
-        b = block_length(T)
-        nb = T // b
-        inner = range(b - 1, -1, -1) if reverse else range(b)  # scan order inside a block
-        outer = range(nb - 1, -1, -1) if reverse else range(nb)  # and over the blocks
-        first = inner[0]
-        outs = []
-        # Writes into the strided block views are in-place ops (copy_ then clamp_ / addcmul_), never ``out=`` a
-        # strided view: the same passes over memory, and torch.compile traces them (``out=`` breaks the graph).
-        for x in xs:
-            out = torch.empty_like(x, memory_format=torch.contiguous_format)
-            xb, ob = _blocks(x, dim, b), _blocks(out, dim, b)  # (nb, b, ...)
-            if nb > 1:
-                seen = xb.amax(1)  # (nb, ...): each block's max, then the running max over blocks
-                for before, at in pairwise(outer):
-                    seen[at].clamp_(min=seen[before])
-                opening, later = (-1, slice(None, -1)) if reverse else (0, slice(1, None))
-                earlier = slice(1, None) if reverse else slice(None, -1)
-                ob[opening, first].copy_(xb[opening, first])
-                ob[later, first].copy_(xb[later, first]).clamp_(min=seen[earlier])
-            else:
-                ob[:, first].copy_(xb[:, first])
-            for before, at in pairwise(inner):
-                ob[:, at].copy_(xb[:, at]).clamp_(min=ob[:, before])
-            outs.append(out)
+        outs = _scan(dim, reverse, xs)
         ctx.save_for_backward(*outs, *xs)
         ctx.dim, ctx.reverse = dim, reverse
         return tuple(outs)
@@ -128,7 +134,36 @@ def running_maxes(xs: tuple[torch.Tensor, ...] | list[torch.Tensor], dim: int,
     """Inclusive running max of each same-shape tensor in ``xs`` along ``dim`` (suffix max if ``reverse``), as
     ``torch.cummax(x, dim).values`` (of the flipped axis when ``reverse``)."""
     dim = dim % xs[0].dim()
+    if _without_autograd(xs):
+        return tuple(_plain(_scan, xs, dim, reverse))
     return _BlockedRunningMax.apply(dim, reverse, *xs)
+
+
+def _excluding_own(dim: int, xs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The forward of ``_MaxExcludingOwn``: the outputs, and per tensor the indices of its max and second max."""
+    outs, indices = [], []
+    for x in xs:
+        top, top_at = x.max(dim, keepdim=True)
+        second, second_at = x.scatter(dim, top_at, float("-inf")).max(dim, keepdim=True)
+        outs.append(top.expand_as(x).clone(memory_format=torch.contiguous_format).scatter_(dim, top_at, second))
+        indices += [top_at, second_at]
+    return outs, indices
+
+
+def _without_autograd(xs) -> bool:
+    """True when no gradient is wanted (inference): the pools then run their forward without the autograd Function,
+    which torch.compile traces as plain ops (a Function's context breaks the graph when nothing requires grad)."""
+    return not (torch.is_grad_enabled() and any(x.requires_grad for x in xs))
+
+
+def _plain(scan, xs, *args):
+    """``scan(*args, xs)`` as the ``autocast_function`` wrapper would run it: inputs cast to autocast's dtype, autocast
+    off inside."""
+    dtype = autocast_dtype(*xs)
+    if dtype is None:
+        return scan(*args, tuple(xs))
+    with torch.autocast(xs[0].device.type, enabled=False):
+        return scan(*args, cast_floating(tuple(xs), dtype))
 
 
 @autocast_function
@@ -142,12 +177,7 @@ class _MaxExcludingOwn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, dim, *xs):
-        outs, indices = [], []
-        for x in xs:
-            top, top_at = x.max(dim, keepdim=True)
-            second, second_at = x.scatter(dim, top_at, float("-inf")).max(dim, keepdim=True)
-            outs.append(top.expand_as(x).clone(memory_format=torch.contiguous_format).scatter_(dim, top_at, second))
-            indices += [top_at, second_at]
+        outs, indices = _excluding_own(dim, xs)
         ctx.save_for_backward(*indices)
         ctx.dim = dim
         return tuple(outs)
@@ -170,4 +200,6 @@ def maxes_excluding_own(xs: tuple[torch.Tensor, ...] | list[torch.Tensor], dim: 
     """For each same-shape tensor in ``xs`` and each position ``t`` along ``dim`` (length >= 2): the max over all
     positions but ``t``."""
     dim = dim % xs[0].dim()
+    if _without_autograd(xs):
+        return tuple(_plain(_excluding_own, xs, dim)[0])
     return _MaxExcludingOwn.apply(dim, *xs)
