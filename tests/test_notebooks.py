@@ -101,3 +101,15 @@ def test_notebooks_without_their_input_say_so_and_pass(tmp_path: Path) -> None:
     assert "no runs to report" in text_of(results) and images_of(results) == 0
     assert "no digits checkpoint" in text_of(samples) and images_of(samples) == 0
 
+
+
+def test_results_curves_come_from_tensorboard_when_a_run_wrote_no_csv(make_cfg, tmp_path: Path) -> None:
+    """Whatever the run logged: without its CSV (``extras.csv_metrics=false``) the curve is read from TensorBoard."""
+    from longseq.report.runs import learning_curves, load_runs
+    from longseq.runner import train
+
+    train(make_cfg(["logger=tensorboard", "extras.csv_metrics=false", "trainer.log_every_n_steps=1",
+                    "callbacks.samples.n_samples=0", "callbacks.attention_maps.enabled=false"]))
+    assert not list(tmp_path.rglob("metrics.csv"))
+    curve = learning_curves(load_runs([tmp_path])[0], "train/loss")
+    assert list(curve["step"]) == [0, 1, 2] and curve["train/loss"].notna().all()

@@ -116,9 +116,10 @@ def load_runs(paths: list[str | Path]) -> list[RunRecord]:
 
 
 def learning_curves(run: RunRecord, column: str) -> pd.DataFrame:
-    """``step`` and ``column`` from the run's CSV logger files (``<run>/**/metrics.csv``; resumed parts appended).
+    """``step`` and ``column`` from what the run logged: its CSV logger files (``<run>/**/metrics.csv``; resumed
+    parts appended; every run writes one unless ``extras.csv_metrics=false``), else its TensorBoard event files.
 
-    Empty when the run logged no CSV (``logger=none``) or never logged ``column``.
+    Empty when the run logged ``column`` to neither.
     """
     frames = []
     for csv in sorted(run.path.rglob("metrics.csv"), key=natural_key):
@@ -126,5 +127,23 @@ def learning_curves(run: RunRecord, column: str) -> pd.DataFrame:
         if column in frame and "step" in frame:
             frames.append(frame[["step", column]].dropna())
     if not frames:
+        frames = tensorboard_curves(run.path, column)
+    if not frames:
         return pd.DataFrame(columns=["step", column])
     return pd.concat(frames).drop_duplicates("step", keep="last").sort_values("step").reset_index(drop=True)
+
+
+def tensorboard_curves(path: Path, column: str) -> list[pd.DataFrame]:
+    """``step`` / ``column`` frames from the TensorBoard event files below ``path`` (one per event folder)."""
+    folders = sorted({p.parent for p in path.rglob("events.out.tfevents.*")}, key=natural_key)
+    if not folders:
+        return []
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    frames = []
+    for folder in folders:
+        events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+        events.Reload()
+        if column in events.Tags().get("scalars", []):
+            frames.append(pd.DataFrame([(e.step, e.value) for e in events.Scalars(column)], columns=["step", column]))
+    return frames
