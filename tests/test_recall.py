@@ -379,3 +379,20 @@ def test_needle_study_takes_the_mqar_search_table(tmp_path):
     assert study.lr_table_for("needle", tmp_path, {}, table) == {}  # no search yet: conf/recall/study.yaml's table
     table.write_text("recall_lr:\n  full: 0.01\n  local: 0.003\n")
     assert study.lr_table_for("needle", tmp_path, {}, table) == {"full": 0.01, "local": 0.003}
+
+
+def test_a_second_driver_on_the_same_study_is_refused(tmp_path):
+    """Two drivers on one study would remove each other's live job directories: the second exits, naming it."""
+    import subprocess
+    import sys
+
+    from longseq.report import recall_study as study
+
+    held = study.hold_study_lock(tmp_path)
+    code = f"from pathlib import Path; from longseq.report import recall_study as s; s.hold_study_lock(Path({str(tmp_path)!r}))"
+    try:
+        other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert other.returncode != 0 and "another recall_study driver" in other.stderr and str(tmp_path) in other.stderr
+    finally:
+        held.close()
+    study.hold_study_lock(tmp_path).close()  # free again once the first has ended

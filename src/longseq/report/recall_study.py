@@ -252,6 +252,24 @@ def draw_figure(task: str, table, path: Path) -> Path | None:
     return path
 
 
+def hold_study_lock(root: Path):
+    """Lock ``<root>/.study.lock`` for this process (the kernel releases it when the process ends); a second
+    driver on the same study exits naming the folder, since it would remove the directories of live jobs."""
+    import fcntl
+
+    handle = open(root / ".study.lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        raise SystemExit(f"error: {root}: another recall_study driver runs this study ({handle.read().strip()}); "
+                         "wait for it, or use --status / --report") from None
+    handle.truncate(0)
+    handle.write(f"pid {os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m longseq.report.recall_study",
                                      description=__doc__.split("\n\n")[0])
@@ -275,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     root = (args.root or PROJECT_ROOT / "logs" / f"recall_{args.task}" / "study").resolve()
     root.mkdir(parents=True, exist_ok=True)
     stages = {stage: stage_jobs(stage, root) for stage in STAGES[args.task]}
+    if not (args.status or args.report):
+        lock = hold_study_lock(root)  # noqa: F841 - held until the process exits
     if args.only:
         keep = {f"attention={a.strip()}" for a in args.only.split(",")}
         stages = {s: [j for j in jobs if keep & set(j.overrides)] for s, jobs in stages.items()}
