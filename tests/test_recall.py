@@ -396,3 +396,17 @@ def test_a_second_driver_on_the_same_study_is_refused(tmp_path):
     finally:
         held.close()
     study.hold_study_lock(tmp_path).close()  # free again once the first has ended
+
+
+def test_needle_figure_is_accuracy_by_depth_over_seeds(tmp_path):
+    from longseq.report.recall_study import by_bucket, draw_figure
+    from longseq.report.runs import RunRecord
+
+    runs = [RunRecord(path=tmp_path / f"{a}{s}", overrides={"attention": a, "task.seq_len": "256", "seed": str(s)},
+                      config=None, status="completed",
+                      metrics={"test/acc": 0.5, "test/acc_depth/0": 0.2 * s, "test/acc_depth/1": 1.0})
+            for a in ("full", "local") for s in (1, 2)]
+    table = by_bucket(runs, "test/acc_depth/", ["attention", "task.seq_len"], "depth")
+    row = table[(table.attention == "full") & (table.depth == "0")].iloc[0]
+    assert (row["n"], round(row["mean"], 6)) == (2, 0.3) and set(table.depth) == {"0", "1"}
+    assert draw_figure("needle", table, tmp_path / "needle.png").stat().st_size > 0

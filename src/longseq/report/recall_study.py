@@ -17,9 +17,9 @@ running anything. ``--jobs 2`` runs two jobs at a time, each with ``cores / jobs
 
 At the end (and with ``--report`` alone) the completed jobs are aggregated by ``longseq.report`` (mean ± std over
 seeds of ``test/acc`` by attention, length and pairs; failed and unfinished jobs listed) into
-``<root>/report.md`` / ``report.csv``, and the figure — accuracy against D, one panel per L, one line per
-attention (MQAR), or accuracy by depth (needle) — is drawn to ``<root>/recall_<task>.png`` (``--figure`` copies
-it, e.g. into ``docs/``).
+``<root>/report.md`` / ``report.csv`` (the needle also ``report_by_depth.csv``), and the figure — test accuracy
+against D (MQAR) or against the needle's depth, one panel per L, one line per attention — is drawn to
+``<root>/recall_<task>.png`` (``--figure`` copies it, e.g. into ``docs/``).
 """
 
 from __future__ import annotations
@@ -207,16 +207,33 @@ def write_report(task: str, root: Path, stages: dict[str, list[Job]], figure: Pa
     if not_started:
         text += f"\nNot started: {len(not_started)} job(s) (python -m longseq.report.recall_study {task}).\n"
     (root / "report.md").write_text(text)
-    path = draw_figure(task, report.table, root / f"recall_{task}.png")
+    table = report.table
+    if task == "needle":  # the needle's figure is accuracy by depth: one aggregate per depth bucket
+        table = by_bucket(runs, "test/acc_depth/", GROUP_BY[task], "depth")
+        table.to_csv(root / "report_by_depth.csv", index=False)
+    path = draw_figure(task, table, root / f"recall_{task}.png")
     if path is not None and figure is not None:
         figure.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, figure)
     print(f"wrote {root / 'report.md'}, {root / 'report.csv'}" + (f", {path}" if path else ""))
 
 
+def by_bucket(runs: list, prefix: str, by: list[str], column: str):
+    """``longseq.report``'s mean ± std over seeds of every ``<prefix><bucket>`` metric, stacked with a
+    ``column`` naming the bucket (e.g. the needle's depth)."""
+    import pandas as pd
+
+    from longseq.report.table import aggregate
+
+    keys = sorted({k for run in runs for k in run.metrics if k.startswith(prefix)})
+    parts = [aggregate(runs, metric=k, by=by, mode="max").table.assign(**{column: k[len(prefix):]}) for k in keys]
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=[*by, column, "mean", "std"])
+
+
 def draw_figure(task: str, table, path: Path) -> Path | None:
     """MQAR: test accuracy against D, one panel per L, one line per attention (error bars: std over seeds).
-    Needle: accuracy per attention, one panel per L. None when the table is empty."""
+    Needle: accuracy against the needle's depth, one panel per L, one line per attention (``by_bucket``'s
+    table). None when the table is empty."""
     if not len(table):
         return None
     import matplotlib.pyplot as plt
@@ -227,25 +244,21 @@ def draw_figure(task: str, table, path: Path) -> Path | None:
     fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths), 4.2), squeeze=False, sharey=True)
     for ax, length in zip(axes[0], lengths):
         part = table[table["L"] == length]
+        x = "task.num_pairs" if task == "mqar" else "depth"
+        part = part.assign(x=part[x].astype(float))
+        for attention, rows in part.groupby("attention", sort=True):
+            rows = rows.sort_values("x")
+            style = "-" if attention.startswith("combiner") else "--"
+            ax.errorbar(rows["x"], rows["mean"], yerr=rows["std"].fillna(0), label=attention, ls=style,
+                        marker="o", ms=3, capsize=2)
         if task == "mqar":
-            part = part.assign(D=part["task.num_pairs"].astype(int))
-            for attention, rows in part.groupby("attention", sort=True):
-                rows = rows.sort_values("D")
-                style = "-" if attention.startswith("combiner") else "--"
-                ax.errorbar(rows["D"], rows["mean"], yerr=rows["std"].fillna(0), label=attention, ls=style,
-                            marker="o", ms=3, capsize=2)
             ax.set_xscale("log", base=2)
-            ax.set_xlabel("key-value pairs D")
-        else:
-            part = part.sort_values("mean", ascending=False)
-            ax.bar(range(len(part)), part["mean"], yerr=part["std"].fillna(0))
-            ax.set_xticks(range(len(part)), part["attention"], rotation=60, ha="right", fontsize=8)
+        ax.set_xlabel("key-value pairs D" if task == "mqar" else "needle depth (fraction of the haystack)")
         ax.set_title(f"{task}, L = {length}")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("test accuracy (question positions)")
-    if task == "mqar":
-        axes[0][-1].legend(fontsize=7, ncol=2, loc="best")
+    axes[0][-1].legend(fontsize=7, ncol=2, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
