@@ -216,3 +216,20 @@ def test_routing_mask_reads_the_batch_clusters(causal):
     mask = flex.create_mask(plan.mask_mod(L), 2, plan.heads, L, L, "cpu")
     assert torch.equal(mask, attn.allowed(*attn.assign(k)))
     assert math.isnan(flex_tiles_visited(attn, L))
+
+
+@pytest.mark.parametrize("name,knobs", [
+    ("combiner_fixed", {"summary": "deepsets_mean"}), ("combiner_logsparse", {"summary": "mean"}),
+    ("combiner_axial_vertical", {"summary": "deepsets_max"}), ("combiner_mixture", {"summary": "mean"}),
+    ("combiner_axial_horizontal", {"summary": "mean", "horizontal_regions": "split"}),
+    ("combiner_axial", {"row_summary": "wsum"}), ("combiner_axial", {"row_summary": "none"}),
+])
+def test_flex_summaries_follow_the_variants_knobs(name, knobs):
+    """Summaries are the variant's own (pooling kind, DeepSets maps, row-summary key), padded or not (fp64)."""
+    attn = build(name, True, seq_len=L, block_size=BLOCK, **knobs).eval().double()
+    q, k, v = random_qkv(L=L, seed=6)
+    with torch.no_grad():
+        for pad in (None, pads()["padded"]):
+            kwargs = {} if pad is None else {"key_padding_mask": pad}
+            torch.testing.assert_close(flex_attention_forward(attn, q, k, v, pad),
+                                       attn.attention_matrix(q, k, v, **kwargs) @ v, atol=1e-9, rtol=0)
