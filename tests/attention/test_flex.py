@@ -32,7 +32,7 @@ MASK_L, MASK_BLOCK = 64, 8  # create_mask against the partition's dense support
 
 IMPLEMENTED = {"combiner_fixed", "combiner_logsparse", "combiner_axial", "combiner_axial_vertical",
                "combiner_axial_horizontal", "combiner_mixture", "fixed", "axial", "local", "longformer", "strided",
-               "logsparse", "bigbird", "random", "routing"}
+               "logsparse", "bigbird", "random", "routing", "combiner_routing"}
 
 
 def supported(cases, seq_len, block_size):
@@ -233,3 +233,15 @@ def test_flex_summaries_follow_the_variants_knobs(name, knobs):
             kwargs = {} if pad is None else {"key_padding_mask": pad}
             torch.testing.assert_close(flex_attention_forward(attn, q, k, v, pad),
                                        attn.attention_matrix(q, k, v, **kwargs) @ v, atol=1e-9, rtol=0)
+
+
+def test_combiner_routing_mask_reads_the_batch_clusters():
+    """Bidirectional ``combiner_routing``: direct keys and usable cluster summaries per batch and head are the
+    dense partition's for this batch's clusters; the causal build says why it has no layout."""
+    attn = build("combiner_routing", False, seq_len=L, block_size=BLOCK).eval()
+    q, k, v = random_qkv(L=L, dtype=torch.float32, seed=7)
+    (plan,) = flex.DATA_LAYOUTS["combiner_routing"](attn, q, k, v)
+    mask = flex.create_mask(plan.mask_mod(L), 2, plan.heads, L, plan.kv_len(L), "cpu")
+    direct, regions = attn.partition(attn.assign(k)[0])
+    assert torch.equal(mask[..., :L], direct) and torch.equal(mask[..., L:], regions.any(-1))
+    assert "causal" in flex_unsupported_reason(build("combiner_routing", True, seq_len=L, block_size=BLOCK))

@@ -90,7 +90,8 @@ class FlexPlan:
         usable: ``usable(b, h, q, r) -> bool``: the query may use summary ``r`` in ``[0, R)``.
         summaries: ``summaries(qs, k, v, real) -> (k_bar, v_bar, occupied)``: summary keys ``(B, H, R, D)`` and values
             ``(B, H, R, Dv)`` from scaled queries, keys and values in sequence order; ``real`` ``(B, L)`` bool
-            (True = real key) or None; ``occupied`` ``(B, R)`` bool (the region holds a real key) or None.
+            (True = real key) or None; ``occupied`` ``(B, R)`` (``(B, H, R)`` for per-head clusters) bool (the
+            region holds a real key) or None.
         members: ``members() -> (R, L)`` bool, the positions (sequence order) each summary pools (tests only).
         anchors: ``anchors() -> (R,)`` long, the position whose own query summarizes each region (row-major axial),
             None for pooled regions (tests only).
@@ -136,8 +137,8 @@ class FlexPlan:
             if R:
                 region = (kv - keys).clamp(min=0, max=R - 1)
                 use = usable(b, h, q, region) & (kv >= keys)
-                if occupied is not None:
-                    use = use & occupied[b, region]
+                if occupied is not None:  # (B, R), or (B, H, R) when the regions differ per head (clusters)
+                    use = use & (occupied[b, region] if occupied.dim() == 2 else occupied[b, h, region])
                 ok = use if ok is None else ok | use
             return ok
 
@@ -275,25 +276,26 @@ def flex_attention_forward(attn: Attention, q: torch.Tensor, k: torch.Tensor, v:
     B, H, L, _ = q.shape
     attn.check_length(L)
     tile = tile or tile_size(L)
-    if attn.name in DATA_LAYOUTS:  # masks from this batch's clusters: built per call, never cached
-        if key_padding_mask is not None:
-            raise AttentionConfigError(f"attention '{attn.name}' takes no key_padding_mask")
-        qs = attn.scale(q)
-        calls = [(_flex_in_order(qs, _in_order(k, plan), _in_order(v, plan), build_block_mask(
-            plan.mask_mod(L), B, plan.heads, L, plan.kv_len(L), q.device, tile), plan))
-            for plan in DATA_LAYOUTS[attn.name](attn, q, k, v)]
-        return merge_by_lse(*zip(*calls))[0]
-    plans = plans_of(attn, L, q.device, tile)
     pad = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.bool)
     qs = attn.scale(q)
     real = None if pad is None else ~pad
+    data = attn.name in DATA_LAYOUTS  # masks from this batch's clusters: built per call, never cached
+    plans = DATA_LAYOUTS[attn.name](attn, q, k, v, real) if data else plans_of(attn, L, q.device, tile)
+
+    def mask_of(index, plan, occupied=None, direct_only=False):
+        if not data:
+            return block_mask_of(attn, index, plan, L, q.device, tile, None if direct_only else pad, occupied,
+                                 direct_only)
+        real_c = None if real is None or direct_only else _in_order(real.unsqueeze(-1), plan).squeeze(-1)
+        mask_mod = plan.mask_mod(L, real_c, None if direct_only else occupied, direct_only)
+        return build_block_mask(mask_mod, B, plan.heads, L, plan.kv_len(L, direct_only), q.device, tile)
     calls = []  # (plan, output, lse) in sequence order
     for index, plan in enumerate(plans):
         occupied = None
         if plan.n_regions:
             k_bar, v_bar, occupied = plan.summaries(qs, k, v, real)
             if occupied is not None:  # a region without a real key is masked; its NaN-free zeros keep 0 * v finite
-                empty_region = ~occupied[:, None, :, None]
+                empty_region = ~(occupied[:, None, :, None] if occupied.dim() == 2 else occupied[..., None])
                 k_bar, v_bar = k_bar.masked_fill(empty_region, 0.0), v_bar.masked_fill(empty_region, 0.0)
             keys, values = k_bar.to(k.dtype), v_bar.to(v.dtype)
             if plan.direct is not None:
@@ -301,7 +303,7 @@ def flex_attention_forward(attn: Attention, q: torch.Tensor, k: torch.Tensor, v:
                 values = torch.cat([_in_order(v, plan), values], -2)
         else:
             keys, values = _in_order(k, plan), _in_order(v, plan)
-        mask = block_mask_of(attn, index, plan, L, q.device, tile, pad, occupied)
+        mask = mask_of(index, plan, occupied)
         calls.append((plan, *_flex_in_order(qs, keys, values, mask, plan)))
     groups = sorted({plan.group for plan in plans})
     outputs = []
@@ -311,7 +313,7 @@ def flex_attention_forward(attn: Attention, q: torch.Tensor, k: torch.Tensor, v:
             empty = torch.isneginf(lse)  # (B, H, L): a query with no real key and no usable region (rule 3)
             if bool(empty.any()):
                 fallback = [_flex_in_order(qs, _in_order(k, plan), _in_order(v, plan),
-                                           block_mask_of(attn, index, plan, L, q.device, tile, direct_only=True), plan)
+                                           mask_of(index, plan, direct_only=True), plan)
                             for index, plan in enumerate(plans) if plan.group == group and plan.direct is not None]
                 out = torch.where(empty.unsqueeze(-1), merge_by_lse(*zip(*fallback))[0], out)
         outputs.append(out)
@@ -842,7 +844,7 @@ LAYOUTS: dict[str, Callable[..., list[FlexPlan]]] = {
     "random": _layout_random,
 }
 
-def _data_routing(attn, q, k, v) -> list[FlexPlan]:
+def _data_routing(attn, q, k, v, real=None) -> list[FlexPlan]:
     """``routing`` (sparse, Routing Transformer): one call in sequence order whose mask reads this batch's k-means
     clusters ``(B, H, L)`` (``assign``; the centroids move in training as in ``forward``). Bidirectional: same key
     cluster. Causal: own segment up to self, plus (if the query took a slot of its route) its route's key cluster in
@@ -865,10 +867,43 @@ def _data_routing(attn, q, k, v) -> list[FlexPlan]:
     return [FlexPlan(direct, heads=H)]
 
 
+def _data_combiner_routing(attn, q, k, v, real=None) -> list[FlexPlan]:
+    """Bidirectional ``combiner_routing``: one call over [keys ; the K cluster summaries] whose mask reads this
+    batch's balanced clusters ``(B, H, L)``: own cluster directly, every other cluster through its summary (the
+    variant's pooling and inner softmax over the cluster's real members, ``RegionSummary.region_summaries``)."""
+    attn.kmeans._ensure(k)
+    clusters, _ = attn.assign(k, real)
+    attn.kmeans.update(k, clusters, None if real is None else real.unsqueeze(1))  # a no-op in eval
+    K, H = attn.n_clusters, k.shape[1]
+
+    def direct(b, h, q, kv):
+        return clusters[b, h, q] == clusters[b, h, kv]
+
+    def usable(b, h, q, r):
+        return r != clusters[b, h, q]
+
+    def summaries(qs, k, v, real):
+        order, _ = cluster_order(clusters, K)
+        blocks = attn._blocks(order, qs, k, v)  # (B, H, K, S, .): each cluster's members in position order
+        if real is None:
+            member = torch.ones(1, 1, *blocks[0].shape[2:4], dtype=torch.bool, device=qs.device)
+        else:
+            member = attn._members(order, real)  # (B, H, K, S)
+        k_bar, v_bar = attn.summary.region_summaries(*blocks, member)
+        return k_bar, v_bar, None if real is None else member.any(-1)
+
+    return [FlexPlan(direct, None, K, usable, summaries, heads=H)]
+
+
 # Layouts whose masks depend on the batch (cluster ids): built per call by ``flex_attention_forward``.
-DATA_LAYOUTS: dict[str, Callable[..., list[FlexPlan]]] = {"routing": _data_routing}
+DATA_LAYOUTS: dict[str, Callable[..., list[FlexPlan]]] = {"routing": _data_routing,
+                                                          "combiner_routing": _data_combiner_routing}
 
 # Configurations of a supported variant that have no layout (name -> check returning a reason or None).
-UNSUPPORTED_CONFIG: dict[str, Callable[[Attention], str | None]] = {}
+UNSUPPORTED_CONFIG: dict[str, Callable[[Attention], str | None]] = {
+    "combiner_routing": lambda attn: None if not attn.causal else (
+        "causal combiner_routing (cluster prefixes per segment, query slots) has no flex layout yet; "
+        "the bidirectional build has one"),
+}
 
 __all__ = ["flex_unsupported_reason", "flex_attention_forward", "flex_tiles_visited", "flex_partition", "FlexPlan"]
