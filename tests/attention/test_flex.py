@@ -235,13 +235,15 @@ def test_flex_summaries_follow_the_variants_knobs(name, knobs):
                                        attn.attention_matrix(q, k, v, **kwargs) @ v, atol=1e-9, rtol=0)
 
 
-def test_combiner_routing_mask_reads_the_batch_clusters():
-    """Bidirectional ``combiner_routing``: direct keys and usable cluster summaries per batch and head are the
-    dense partition's for this batch's clusters; the causal build says why it has no layout."""
-    attn = build("combiner_routing", False, seq_len=L, block_size=BLOCK).eval()
+@pytest.mark.parametrize("causal", [True, False])
+def test_combiner_routing_mask_reads_the_batch_clusters(causal):
+    """``combiner_routing``: direct keys and usable cluster summaries per batch and head are the dense partition's
+    for this batch's clusters (causal: R(c, g) only for the query's own segment g)."""
+    attn = build("combiner_routing", causal, seq_len=L, block_size=BLOCK).eval()
     q, k, v = random_qkv(L=L, dtype=torch.float32, seed=7)
     (plan,) = flex.DATA_LAYOUTS["combiner_routing"](attn, q, k, v)
     mask = flex.create_mask(plan.mask_mod(L), 2, plan.heads, L, plan.kv_len(L), "cpu")
-    direct, regions = attn.partition(attn.assign(k)[0])
-    assert torch.equal(mask[..., :L], direct) and torch.equal(mask[..., L:], regions.any(-1))
-    assert "causal" in flex_unsupported_reason(build("combiner_routing", True, seq_len=L, block_size=BLOCK))
+    clusters, routes = attn.assign(k)
+    direct, regions = attn.partition(clusters, routes)
+    used = mask[..., L:].unflatten(-1, (-1, attn.n_clusters)).any(-2)  # (B, H, L, K): over the segments g
+    assert torch.equal(mask[..., :L], direct) and torch.equal(used, regions.any(-1))

@@ -858,9 +858,8 @@ def _data_routing(attn, q, k, v, real=None) -> list[FlexPlan]:
         def direct(b, h, q, kv):
             return clusters[b, h, q] == clusters[b, h, kv]
     else:
-        K, M = attn.n_clusters, attn.segment_len(L)
-        routed = (cluster_order(routes, K + 1)[1] < L // K) & (routes < K)
-        own = torch.where(routed, routes, K)  # K: the query overflowed its centroid (no earlier cluster keys)
+        M = attn.segment_len(L)
+        own = _causal_routes(attn, routes, L)  # K: the query overflowed its centroid (no earlier cluster keys)
 
         def direct(b, h, q, kv):
             same_segment = q // M == kv // M
@@ -868,32 +867,75 @@ def _data_routing(attn, q, k, v, real=None) -> list[FlexPlan]:
     return [FlexPlan(direct, heads=H)]
 
 
+def _causal_routes(attn, routes: torch.Tensor, L: int) -> torch.Tensor:
+    """``(B, H, L)`` the key cluster a causal query attends in earlier segments: its route when it took one of the
+    route's L / K query slots, else K (none; ``ClusteredAttention.causal_direct_mask``)."""
+    K = attn.n_clusters
+    routed = (cluster_order(routes, K + 1)[1] < L // K) & (routes < K)
+    return torch.where(routed, routes, K)
+
+
 def _data_combiner_routing(attn, q, k, v, real=None) -> list[FlexPlan]:
-    """Bidirectional ``combiner_routing``: one call over [keys ; the K cluster summaries] whose mask reads this
-    batch's balanced clusters ``(B, H, L)``: own cluster directly, every other cluster through its summary (the
-    variant's pooling and inner softmax over the cluster's real members, ``RegionSummary.region_summaries``)."""
+    """``combiner_routing``: one call over [keys ; cluster summaries] whose mask reads this batch's clusters
+    ``(B, H, L)``. Bidirectional: own cluster directly, every other cluster through its summary (K slots).
+    Causal: own segment up to self and (if routed) the route's cluster in earlier segments directly, every other
+    cluster c through R(c, g) = its members in segments < g (slots ``g * K + c``: a segment's K summaries side by
+    side). Summaries: the variant's pooling over the clusters' real members (``region_summaries``; causal the running
+    pools ``_segment_prefix_padded``) and inner softmaxes."""
     attn.kmeans._ensure(k)
-    clusters, _ = attn.assign(k, real)
+    clusters, routes = attn.assign(k, real)
     attn.kmeans.update(k, clusters, None if real is None else real.unsqueeze(1))  # a no-op in eval
-    K, H = attn.n_clusters, k.shape[1]
+    B, H, L, _ = k.shape
+    K = attn.n_clusters
+    order, _ = cluster_order(clusters, K)
+
+    def members_of(real_keys):
+        if real_keys is None:
+            return torch.ones(B, H, K, L // K, dtype=torch.bool, device=k.device)
+        return attn._members(order, real_keys)  # (B, H, K, S)
+
+    if not attn.causal:
+        def direct(b, h, q, kv):
+            return clusters[b, h, q] == clusters[b, h, kv]
+
+        def usable(b, h, q, r):
+            return r != clusters[b, h, q]
+
+        def summaries(qs, k, v, real):
+            blocks = attn._blocks(order, qs, k, v)  # (B, H, K, S, .): each cluster's members in position order
+            member = members_of(real)
+            k_bar, v_bar = attn.summary.region_summaries(*blocks, member)
+            return k_bar, v_bar, None if real is None else member.any(-1)
+
+        return [FlexPlan(direct, None, K, usable, summaries, heads=H)]
+
+    M = attn.segment_len(L)
+    n = L // M
+    own = _causal_routes(attn, routes, L)
 
     def direct(b, h, q, kv):
-        return clusters[b, h, q] == clusters[b, h, kv]
+        same_segment = q // M == kv // M
+        return (kv <= q) & (same_segment | ((kv // M < q // M) & (clusters[b, h, kv] == own[b, h, q])))
 
     def usable(b, h, q, r):
-        return r != clusters[b, h, q]
+        g, c = r // K, r % K
+        return (g == q // M) & (g >= 1) & (c != own[b, h, q])
 
     def summaries(qs, k, v, real):
-        order, _ = cluster_order(clusters, K)
-        blocks = attn._blocks(order, qs, k, v)  # (B, H, K, S, .): each cluster's members in position order
-        if real is None:
-            member = torch.ones(1, 1, *blocks[0].shape[2:4], dtype=torch.bool, device=qs.device)
-        else:
-            member = attn._members(order, real)  # (B, H, K, S)
-        k_bar, v_bar = attn.summary.region_summaries(*blocks, member)
-        return k_bar, v_bar, None if real is None else member.any(-1)
+        q_blk, k_blk, v_blk = attn._blocks(order, qs, k, v)  # (B, H, K, S, .); member t lies in segment t // (M/K)
+        member = members_of(real)
+        q_bar, occupied = attn._segment_prefix_padded(attn.summary.query_features(q_blk), member, n)  # (B,H,K,n,.)
+        k_bar, _ = attn._segment_prefix_padded(attn.summary.key_features(k_blk), member, n)
+        S = q_blk.shape[3]
+        earlier = torch.arange(S, device=k.device) // (M // K) < torch.arange(n, device=k.device).unsqueeze(1)
+        allowed = earlier & member.unsqueeze(3)  # (B, H, K, n, S): R(c, g)'s real members
+        allowed = allowed | ~allowed.any(-1, keepdim=True)  # an empty region keeps a finite row (it is masked)
+        inner = (q_bar @ k_blk.transpose(-1, -2)).masked_fill(~allowed, NEG_INF).softmax(-1)
+        v_bar = inner @ v_blk
+        slots = [x.transpose(2, 3).flatten(2, 3) for x in (k_bar, v_bar)]  # (B, H, n * K, .): slot g * K + c
+        return slots[0], slots[1], occupied.transpose(2, 3).flatten(2, 3)
 
-    return [FlexPlan(direct, None, K, usable, summaries, heads=H)]
+    return [FlexPlan(direct, None, n * K, usable, summaries, heads=H)]
 
 
 # Layouts whose masks depend on the batch (cluster ids): built per call by ``flex_attention_forward``.
@@ -901,10 +943,6 @@ DATA_LAYOUTS: dict[str, Callable[..., list[FlexPlan]]] = {"routing": _data_routi
                                                           "combiner_routing": _data_combiner_routing}
 
 # Configurations of a supported variant that have no layout (name -> check returning a reason or None).
-UNSUPPORTED_CONFIG: dict[str, Callable[[Attention], str | None]] = {
-    "combiner_routing": lambda attn: None if not attn.causal else (
-        "causal combiner_routing (cluster prefixes per segment, query slots) has no flex layout yet; "
-        "the bidirectional build has one"),
-}
+UNSUPPORTED_CONFIG: dict[str, Callable[[Attention], str | None]] = {}
 
 __all__ = ["flex_unsupported_reason", "flex_attention_forward", "flex_tiles_visited", "flex_partition", "FlexPlan"]
