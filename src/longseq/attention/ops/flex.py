@@ -14,7 +14,7 @@ index arithmetic (segment index, row / column, log level, block table), never fr
   ``combiner_axial_vertical`` / ``_horizontal``, ``combiner_mixture`` (``plans=average``: one pair per plan,
   averaged); ``strided`` and ``fixed`` likewise (band / own block, then the strided column / the summary cells in
   column order);
-- ``routing`` and bidirectional ``combiner_routing``: one call whose mask reads this batch's k-means clusters
+- ``routing`` and ``combiner_routing``: one call whose mask reads this batch's k-means clusters
   (``DATA_LAYOUTS``: built per call, never cached).
 
 Summaries are the variant's own pooling and local expectation of v (``RegionSummary.region_summaries`` on
