@@ -219,8 +219,9 @@ def block_mask_of(attn: Attention, index: int, plan: FlexPlan, L: int, device, t
     bool (True = pad, sequence order) and ``occupied`` ``(B, R)``."""
     signature = None
     if pad is not None:
-        signature = (tuple(pad.shape), hash(pad.cpu().numpy().tobytes()), hash(occupied.cpu().numpy().tobytes())
-                     if occupied is not None else None)
+        # the masks' bytes themselves (B * (L + R) booleans), not a hash: a collision would reuse a wrong mask
+        signature = (tuple(pad.shape), pad.cpu().numpy().tobytes(),
+                     None if occupied is None else (tuple(occupied.shape), occupied.cpu().numpy().tobytes()))
     key = ("mask", index, L, tile, str(device), signature, direct_only)
     cache = _cache(attn)
     if signature is not None:  # every padded batch differs (LRA): keep only the last few padded masks
