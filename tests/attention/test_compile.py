@@ -7,7 +7,8 @@ module must give the eager module's output and gradients.
 
 Fast suite: each variant in its first direction (causal where it supports it) on ``attention.backend=auto`` (what
 CPU training runs: the CPU engine where it applies, else explicit); tracing the level loops of the logsparse
-family costs seconds, so the other direction and each backend that runs on CPU, by name, are in the slow suite. FlexAttention is not compiled here:
+family costs seconds, so the other direction, each backend that runs on CPU by name, and the inference path
+(evaluation mode under ``no_grad``) are in the slow suite. FlexAttention is not compiled here:
 on CPU it has no backward (tests/attention/test_flex.py covers it; on CUDA ``make gpu-check`` runs it).
 
 ``KNOWN_BREAKS`` lists, explicitly, the cases that still break the graph, each with its cause; the test checks that
@@ -41,23 +42,14 @@ DATA_DEPENDENT = {
     "moba": "data-dependent tile counts of the chosen blocks (ops/block_select.py grouped_attention)",
     "nsa": "data-dependent tile counts of the chosen blocks (ops/block_select.py grouped_attention)",
 }
-FIXED_MERGE = "torch.mul(..., out=) a strided view in the causal flash merge (combiner/fixed.py)"
-JOINT_MERGE = "torch.logaddexp(..., out=) a strided view in the flash merge (ops/joint_softmax.py)"
 KNOWN_BREAKS: dict[tuple[str, bool, str], str] = {
     ("bigbird", False, "auto"): DATA_DEPENDENT["bigbird"],
     ("bigbird", False, "explicit"): DATA_DEPENDENT["bigbird"],
-    **{(name, causal, backend): DATA_DEPENDENT[name] for name in ("routing", "combiner_routing", "combiner_select")
-       for causal in (True, False) for backend in ("auto", "explicit")},
-    **{(name, causal, backend): DATA_DEPENDENT[name] for name in ("moba", "nsa")
+    **{(name, causal, backend): DATA_DEPENDENT[name] for name in ("routing", "combiner_routing", "combiner_select",
+                                                                   "moba", "nsa")
        for causal in (True, False) for backend in ("auto", "explicit")},
     ("routing", True, "cpu_flash"): DATA_DEPENDENT["routing"],
     ("combiner_routing", True, "cpu_flash"): DATA_DEPENDENT["combiner_routing"],
-    # the CPU engine (auto on CPU picks it): its merges write out= strided views
-    **{("combiner_fixed", True, backend): FIXED_MERGE for backend in ("auto", "cpu_flash")},
-    **{(name, causal, backend): JOINT_MERGE for backend in ("auto", "cpu_flash")
-       for name, causal in (("combiner_axial_vertical", True), ("combiner_axial_vertical", False),
-                            ("combiner_axial_horizontal", True), ("combiner_mixture", True),
-                            ("combiner_mixture", False))},
 }
 
 
@@ -84,19 +76,22 @@ def fresh_dynamo(one_thread):
 
 def output_and_grads(module, q, k, v):
     torch.manual_seed(0)  # variants that draw during the call (hashing, feature redraws) draw the same numbers
+    if not module.training:  # inference: no_grad, the path validation and sampling take
+        with torch.no_grad():
+            return module(q, k, v), []
     inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     out = module(*inputs)
     out.square().sum().backward()
     return out.detach(), [x.grad for x in inputs]
 
 
-def check_compiles(name: str, causal: bool, backend: str) -> None:
+def check_compiles(name: str, causal: bool, backend: str, training: bool = True) -> None:
     kwargs = {} if backend == "auto" or dispatch is None else {"backend": backend}
-    attn = build(name, causal, **kwargs).train()  # dropout is 0 in the YAMLs: training mode is deterministic
+    attn = build(name, causal, **kwargs).train(training)  # dropout is 0 in the YAMLs: training is deterministic
     q, k, v = random_qkv(B=1, H=2, L=16, D=8, dtype=torch.float32)
     eager = copy.deepcopy(attn)  # routing updates its centroids in training: each side gets the same start
     compiled = torch.compile(attn, fullgraph=True, backend="eager")
-    known = KNOWN_BREAKS.get((name, causal, backend))
+    known = KNOWN_BREAKS.get((name, causal, backend)) if training else DATA_DEPENDENT.get(name)
     if known is not None:
         output_and_grads(eager, q, k, v)  # eager runs: the failure below is the tracer's
         with pytest.raises(Exception) as raised:  # Unsupported / UserError / data-dependent guard, by cause
@@ -119,6 +114,14 @@ def test_forward_compiles_without_graph_breaks(name, causal, backend):
 @pytest.mark.parametrize("name,causal,backend", SLOW)
 def test_each_cpu_backend_compiles_without_graph_breaks(name, causal, backend):
     check_compiles(name, causal, backend)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,causal,backend", FAST)
+def test_inference_compiles_without_graph_breaks(name, causal, backend):
+    """Evaluation mode under ``no_grad`` (validation, the sampling recompute path): the variants with data-dependent
+    shapes (``DATA_DEPENDENT``) still break the graph, every other one traces as one."""
+    check_compiles(name, causal, backend, training=False)
 
 
 def test_known_breaks_name_real_cases():

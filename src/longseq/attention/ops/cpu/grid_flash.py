@@ -104,7 +104,9 @@ class _GridFlash(torch.autograd.Function):
         lse = lses[0].clone(memory_format=torch.contiguous_format)  # (BH, n, m)
         for part, part_lse in zip(parts[1:], lses[1:]):
             joint = _window(lse, "row", part.query_window)
-            torch.logaddexp(joint, _as_row(part_lse, part.layout), out=joint)
+            # copy_ rather than out= a strided window: torch.compile traces it (out= breaks the graph); the temporary
+            # is one log-sum-exp row per query (1 / D of the output)
+            joint.copy_(torch.logaddexp(joint, _as_row(part_lse, part.layout)))
         out = outs[0].mul_((lses[0] - lse).exp_().unsqueeze(-1))
         for part, part_out, part_lse in zip(parts[1:], outs[1:], lses[1:]):
             weight = (_as_row(part_lse, part.layout) - _window(lse, "row", part.query_window)).exp_()

@@ -119,7 +119,8 @@ class _CombinerFixedFlash(torch.autograd.Function):
             if causal and chunk.first == 0:
                 part_lse[:, 0] = NEG_INF  # segment 0: the kernel's row for a fully masked query is not used
             joint_lse = torch.logaddexp(lse[:, rows], part_lse)
-            torch.mul(part_out, (part_lse - joint_lse).exp_().unsqueeze(-1), out=out[:, rows])
+            # in place on the (strided) rows, not out= them: torch.compile traces it (out= breaks the graph)
+            out[:, rows].copy_(part_out).mul_((part_lse - joint_lse).exp_().unsqueeze(-1))
             if causal and chunk.first == 0:
                 out[:, 0] = 0.0
             out[:, rows].addcmul_(own_out[:, rows], (lse[:, rows] - joint_lse).exp_().unsqueeze(-1))
@@ -150,7 +151,7 @@ class _CombinerFixedFlash(torch.autograd.Function):
             part_grad_q, part_grad_k, part_grad_v = flash_attention_backward(
                 flat[0], flat[1], k_bar[:, None, : chunk.usable], v_bar[:, None, : chunk.usable], flat[2],
                 lse[:, rows].reshape(BH, 1, -1), 0.0, False, attn_mask=chunk.mask.to(q.dtype), scale=ctx.scale)
-            torch.add(part_grad_q.view(BH, -1, m, D), own_grad_q[:, rows], out=grad_q[:, rows])
+            grad_q[:, rows].copy_(own_grad_q[:, rows]).add_(part_grad_q.view(BH, -1, m, D))
             grad_k_bar[:, : chunk.usable] += part_grad_k.squeeze(1)
             grad_v_bar[:, : chunk.usable] += part_grad_v.squeeze(1)
 
