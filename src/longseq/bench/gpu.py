@@ -338,6 +338,8 @@ def run_training(cfg: DictConfig, device: str, flops: float | None) -> list[dict
                                "mfu": math.nan}
         try:
             model = _model(spec, name, device)
+            if spec.compile:  # as model.compile=true: the backbone through torch.compile (the warm-up steps compile)
+                model.compile()
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
@@ -482,7 +484,7 @@ def write_report(out: Path, cfg: DictConfig, env: dict[str, Any], correctness: l
                   crossover_table(fig3, shapes, mode), ""]
     t = cfg.train
     lines += ["## Training", "",
-              f"{t.precision}, L={t.seq_len} (CIFAR-10 geometry, synthetic tokens), batch {t.batch}, {t.n_layers} "
+              f"{t.precision}{', torch.compile' if t.compile else ''}, L={t.seq_len} (CIFAR-10 geometry, synthetic tokens), batch {t.batch}, {t.n_layers} "
               f"layers d={t.d_model} H={t.n_heads}, AdamW; median of {t.steps} steps after {t.warmup}. MFU = model "
               "FLOPs (6 N + 12 n_layers d L per token) x tokens/s / peak FLOP/s.", "",
               training_table(training), "",
