@@ -108,6 +108,30 @@ def test_grouped_attention_equals_a_dense_softmax_over_the_chosen_groups(band):
         torch.testing.assert_close(grad, reference, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name", ["moba", "nsa", "combiner_select"])
+def test_fused_cpu_path_equals_the_explicit_path(name, causal, padded, monkeypatch):
+    """The fused CPU flash path of ``block_attention`` / ``grouped_attention`` (``FlashLse``: its log-sum-exp
+    differentiable, so the parts merge exactly) gives the explicit masked-softmax path's outputs and gradients."""
+    knobs = {"nsa": {"compress_block": M, "window": 6, "select_blocks": 4}}.get(name, {})
+    attn = build(name, causal, seq_len=L32, block_size=M, **knobs).double().eval()
+    q, k, v = random_qkv(B=3, L=L32, requires_grad=True)
+    pad = padding_masks(L32) if padded else None
+    grad = torch.randn(3, 2, L32, 8, dtype=torch.float64)
+
+    def run():
+        out = attn(q, k, v, key_padding_mask=pad)
+        return (out, *torch.autograd.grad((out * grad).sum(), (q, k, v)))
+
+    assert block_select.fusable(q, v)
+    fused = run()
+    monkeypatch.setattr(block_select, "fusable", lambda *args, **kwargs: False)
+    for got, expected in zip(fused, run()):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, expected, atol=1e-10, rtol=0)
+
+
 # -- combiner_select -------------------------------------------------------------------------------------------
 SELECT_CASES = [(p, c) for p in ("fixed", "axial_vertical", "axial_horizontal") for c in (True, False)]
 PLAIN = {"fixed": "combiner_fixed", "axial_vertical": "combiner_axial_vertical",

@@ -19,6 +19,7 @@ import contextlib
 
 import torch
 
+from longseq.attention.ops.cpu.kernels import flash_attention, flash_attention_backward
 from longseq.attention.ops.masks import NEG_INF
 
 
@@ -77,7 +78,7 @@ def gathered_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: 
 
 
 # -- the tiled path: (query, chosen group) pairs sorted by group, tiles of queries against one group's keys -----------
-PAIR_TILE = 32  # queries per tile: one (T, Km) @ (Km, D) product per tile
+PAIR_TILE = 128  # queries per tile: one (T, Km) @ (Km, D) product per tile
 
 
 def safe_softmax(logits: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,12 +102,85 @@ def merge_parts(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.T
     return out, total.squeeze(-1).masked_fill(~has.squeeze(-1), NEG_INF)
 
 
+# -- the fused CPU path: the (tile, keys) products as CPU flash calls whose log-sum-exp stays differentiable ----------
+def fusable(x: torch.Tensor, v: torch.Tensor, dropout: float = 0.0) -> bool:
+    """Whether the products of queries ``x`` and values ``v`` may run as fused CPU flash calls (``FlashLse``): CPU,
+    fp32/fp64, one head size, no dropout, autocast off, not being compiled; elsewhere the explicit masked-softmax
+    path (the same numbers) runs."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and v.dtype == x.dtype
+            and v.shape[-1] == x.shape[-1] and not dropout
+            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling())
+
+
+class FlashLse(torch.autograd.Function):
+    """``(out, lse)`` of one softmax per query row over its keys, by the fused CPU flash kernel, both differentiable
+    (the kernel's own autograd drops the lse gradient, which merging parts by their log-sum-exps needs).
+
+    Inputs are padded by ``pad_for_flash`` (one extra last column: 0 for q and k, 1 for v): q ``(N, h, T, D + 1)``,
+    k, v ``(N, h, S, D + 1)`` with unit last stride (queries already scaled); ``mask`` additive float ``(N|1, h|1, T,
+    S)`` (0 = may attend, -inf = not) or None; ``empty`` bool broadcastable to ``(N, h, T)``: rows without an allowed
+    key (out 0, lse -inf), or None. Returns ``out`` ``(N, h, T, D)`` and ``lse`` ``(N, h, T)``.
+
+    Why the padding: ``d lse_i / d s_ij = p_ij``, so the lse gradient g enters the one flash backward call as
+    ``dO``'s value on the column of ones (``dP_ij += g_i``), whose output column is given as 0 (``D_i = dO_i . O_i``
+    unchanged); the kernel wants one head size, hence the zero column of q and k (the logits do not change). Padding
+    the sources before they are gathered avoids copying the large gathered tiles.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, empty, causal):
+        out, lse = flash_attention(q, k, v, 0.0, causal, attn_mask=mask, scale=1.0)
+        if empty is not None:
+            lse = lse.masked_fill(empty, 0.0)  # finite for the backward kernel; those rows' p are all 0 anyway
+        result = out[..., :-1].clone()
+        out[..., -1] = 0.0  # the row sums of p (the ones column): 0 for the backward (see above)
+        ctx.save_for_backward(q, k, v, out, lse, mask, empty)
+        ctx.causal = causal
+        return result, lse if empty is None else lse.masked_fill(empty, NEG_INF)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, mask, empty = ctx.saved_tensors
+        if empty is not None:
+            grad_lse = grad_lse.masked_fill(empty, 0.0)
+        grad = torch.cat([grad_out, grad_lse.unsqueeze(-1).to(grad_out.dtype)], -1)
+        dq, dk, dv = flash_attention_backward(grad, q, k, v, out, lse, 0.0, ctx.causal, attn_mask=mask, scale=1.0)
+        return dq, dk, dv, None, None, None
+
+
+def pad_for_flash(x: torch.Tensor, value: float) -> torch.Tensor:
+    """``x`` ``(..., D)`` with one more last column of ``value`` (``FlashLse``: 0 for q and k, 1 for v)."""
+    return torch.cat([x, x.new_full((*x.shape[:-1], 1), value)], -1)
+
+
+def flash_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
+              causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``FlashLse`` of padded q, k, v (``pad_for_flash``) from a bool ``allowed`` ``(N|1, h|1, T, S)`` (True = may
+    attend) or None (every key)."""
+    if allowed is None:
+        return FlashLse.apply(q, k, v, None, None, causal)
+    mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, NEG_INF)
+    empty = ~allowed.any(-1)
+    return FlashLse.apply(q, k, v, mask, empty if bool(empty.any()) else None, causal)
+
+
 def block_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int,
                     allowed: torch.Tensor, dropout: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query against its own block of ``block_size`` keys (batched ``(m, m)`` products, no gather):
     ``allowed`` ``(B|1, 1, n, m, m)`` bool. Returns ``(out (B, H, L, Dv), lse (B, H, L))``."""
     B, H, L, D = qs.shape
     n, m = L // block_size, block_size
+    if fusable(qs, v, dropout):  # the blocks as heads of one flash call: (B, H n, m, D)
+        fold = lambda x, value: pad_for_flash(x, value).view(B, H * n, m, D + 1)  # noqa: E731
+        causal, mask = False, None
+        if allowed.shape[0] == 1 and allowed.shape[2] == 1:  # one mask for every block: causal or none, if it is
+            one = allowed[0, 0, 0]
+            causal = bool(torch.equal(one, torch.ones_like(one).tril()))
+            mask = None if causal or bool(one.all()) else one.view(1, 1, m, m)
+        else:
+            mask = allowed.expand(B, H, n, m, m).reshape(B, H * n, m, m)
+        out, lse = flash_lse(fold(qs, 0.0), fold(k, 0.0), fold(v, 1.0), mask, causal)
+        return out.reshape(B, H, L, -1), lse.reshape(B, H, L)
     logits = qs.reshape(B, H, n, m, D) @ k.reshape(B, H, n, m, D).transpose(-1, -2)
     weights, lse = safe_softmax(logits, allowed)
     if dropout:
@@ -160,18 +234,33 @@ def grouped_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, member
         query = tile_pair.clamp(min=0) // S  # flat (b, h, t)
         head, g = tile_group // G, tile_group % G
         keys_at = members[g]  # (n_tiles, Km)
-        allowed = member_ok[(head // H) if member_ok.shape[0] > 1 else torch.zeros_like(head), g]  # (n_tiles, Km)
-        allowed = allowed.unsqueeze(1) & row_ok.unsqueeze(-1)  # (n_tiles, tile, Km)
-        if band is not None:
-            offset = positions[query % T].unsqueeze(-1) - keys_at.unsqueeze(1)  # (n_tiles, tile, Km): p - j
-            allowed = allowed & (offset <= band[0]) & (offset >= -band[1])
-    q_t = qs.reshape(B * H * T, D)[query]  # (n_tiles, tile, D)
-    k_t = k.reshape(B * H, -1, D)[head.unsqueeze(-1), keys_at]  # (n_tiles, Km, D)
-    v_t = v.reshape(B * H, -1, Dv)[head.unsqueeze(-1), keys_at]
-    weights, lse = safe_softmax(q_t @ k_t.transpose(-1, -2), allowed)
-    if dropout:
-        weights = torch.nn.functional.dropout(weights, dropout)
-    out_t = weights.to(v_t.dtype) @ v_t  # (n_tiles, tile, Dv)
+        key_rows = (head.unsqueeze(-1) * k.shape[-2] + keys_at).flatten()  # rows of k as (B H N, D)
+        fused = fusable(qs, v, dropout)
+        # fused: a row of padding (row_ok False) may attend every key, its result is dropped below
+        needs_mask = not fused or band is not None or not bool(member_ok.all())
+        allowed = None
+        if needs_mask:
+            allowed = member_ok[(head // H) if member_ok.shape[0] > 1 else torch.zeros_like(head), g]  # (n_tiles, Km)
+            allowed = allowed.unsqueeze(1) & row_ok.unsqueeze(-1)  # (n_tiles, tile, Km)
+            if band is not None:
+                offset = positions[query % T].unsqueeze(-1) - keys_at.unsqueeze(1)  # (n_tiles, tile, Km): p - j
+                allowed = allowed & (offset <= band[0]) & (offset >= -band[1])
+    # index_select: its backward is an index_add (an advanced index's is a slow accumulating index_put)
+    if fused:  # the tiles as the batch of one flash call, gathered from padded sources (``FlashLse``)
+        q_t = pad_for_flash(qs, 0.0).view(B * H * T, D + 1).index_select(0, query.flatten())
+        k_t = pad_for_flash(k, 0.0).view(-1, D + 1).index_select(0, key_rows)
+        v_t = pad_for_flash(v, 1.0).view(-1, D + 1).index_select(0, key_rows)
+        out_t, lse = flash_lse(q_t.view(n_tiles, 1, tile, D + 1), k_t.view(n_tiles, 1, Km, D + 1),
+                               v_t.view(n_tiles, 1, Km, D + 1), None if allowed is None else allowed.unsqueeze(1))
+        out_t, lse = out_t.squeeze(1), lse.squeeze(1)
+    else:
+        q_t = qs.reshape(B * H * T, D).index_select(0, query.flatten()).view(n_tiles, tile, D)
+        k_t = k.reshape(-1, D).index_select(0, key_rows).view(n_tiles, Km, D)
+        v_t = v.reshape(-1, Dv).index_select(0, key_rows).view(n_tiles, Km, Dv)
+        weights, lse = safe_softmax(q_t @ k_t.transpose(-1, -2), allowed)
+        if dropout:
+            weights = torch.nn.functional.dropout(weights, dropout)
+        out_t = weights.to(v_t.dtype) @ v_t  # (n_tiles, tile, Dv)
     flat = tile_pair[row_ok]
     out_pairs = out_t.new_zeros(B * H * T * S, Dv).index_put((flat,), out_t[row_ok])
     lse_pairs = lse.new_full((B * H * T * S,), NEG_INF).index_put((flat,), lse[row_ok])
