@@ -108,6 +108,20 @@ def test_grouped_attention_equals_a_dense_softmax_over_the_chosen_groups(band):
         torch.testing.assert_close(grad, reference, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_top_blocks_is_the_stable_sort_with_ties_infinities_and_signed_zeros(dtype):
+    """Small k (argmax rounds) and large k (sort) both return the stable descending sort's first k: ties to the
+    lower index, +inf (forced) first, -inf (unchoosable) last and not ok, -0.0 tied with +0.0."""
+    g = torch.Generator().manual_seed(3)
+    values = torch.tensor([float("-inf"), -1.0, -0.0, 0.0, 0.5, 1.0, float("inf")], dtype=dtype)
+    scores = values[torch.randint(0, len(values), (4, 6, 11), generator=g)]
+    for k in range(0, 13):
+        expected = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., : min(k, 11)]
+        idx, ok = block_select.top_blocks(scores, k)
+        assert torch.equal(idx, expected)
+        assert torch.equal(ok, scores.gather(-1, expected) > float("-inf"))
+
+
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("name", ["moba", "nsa", "combiner_select"])

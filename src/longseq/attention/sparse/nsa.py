@@ -48,8 +48,11 @@ from longseq.attention.base import Attention, AttentionConfigError, check_int_kn
 from longseq.attention.ops.block_select import (
     block_attention,
     block_table,
+    flash_lse,
+    fusable,
     gathered_attention,
     grouped_attention,
+    pad_for_flash,
     score_dtype,
     scoring,
     top_blocks,
@@ -265,9 +268,11 @@ class NativeSparseAttention(BlockGrid, Attention):
         if real_c is not None:
             compressed_ok = compressed_ok & real_c.any(-1).unsqueeze(-2)
         has_compressed = compressed_ok.any(-1, keepdim=True)
-        logits = (qs @ k_c.transpose(-1, -2)).masked_fill(~compressed_ok, NEG_INF)
-        probs = self.weight_dropout(logits.softmax(-1).nan_to_num(0.0))
-        out_c = probs @ v_c
+        if C and fusable(qs, v_c, drop):  # one fused CPU flash call; a query without a usable block gets 0
+            out_c = flash_lse(pad_for_flash(qs, 0.0), pad_for_flash(k_c, 0.0), pad_for_flash(v_c, 1.0), compressed_ok)[0]
+        else:
+            logits = (qs @ k_c.transpose(-1, -2)).masked_fill(~compressed_ok, NEG_INF)
+            out_c = self.weight_dropout(logits.softmax(-1).nan_to_num(0.0)) @ v_c
 
         # selection: the n best selection blocks at full resolution (causal: up to self), (query, block) pairs tiled
         occupied = None if real is None else real.view(B, 1, 1, S, m).any(-1)
