@@ -220,6 +220,8 @@ class NativeSparseAttention(BlockGrid, Attention):
         each query paired with its own block and the neighbours its reach touches (``grouped_attention``);
         ``real`` ``(B, L)`` or None; a query whose window holds no real key falls back to its unpadded window."""
         B, H, L, _ = qs.shape
+        if real is None and fusable(qs, v, dropout):
+            return self.window_flash(qs, k, v, back, ahead)
         b = max(back, ahead, 1)
         n = -(-L // b)
         members = torch.arange(n * b, device=qs.device).view(n, b)
@@ -235,6 +237,28 @@ class NativeSparseAttention(BlockGrid, Attention):
                                      dropout=dropout)
         unpadded = grouped_attention(qs, k, v, members, inside, chosen, ok, (back, ahead), dropout=dropout)[0]
         return torch.where((lse > NEG_INF).unsqueeze(-1), out, unpadded)
+
+    def window_flash(self, qs, k, v, back: int, ahead: int) -> torch.Tensor:
+        """The window branch without key padding as one fused flash call: queries in the grid's blocks of c, each
+        block against the span of ``back + c + ahead`` keys around it (from the keys padded by back and ahead
+        positions), under one band mask per block (keys outside the sequence masked)."""
+        B, H, L, D = qs.shape
+        c = self.grid(L).n_cols
+        n, span = L // c, back + c + ahead
+        t = torch.arange(span, device=qs.device)
+        rows = (torch.arange(n, device=qs.device).view(n, 1) * c + t).flatten()  # (n span) rows of the padded keys
+        r = torch.arange(c, device=qs.device).view(c, 1)
+        key_pos = (torch.arange(n, device=qs.device) * c - back).view(n, 1, 1) + t  # (n, 1, span)
+        allowed = (t >= r) & (t <= r + back + ahead) & (key_pos >= 0) & (key_pos < L)  # (n, c, span)
+
+        def keys(x, value):
+            x = pad_for_flash(x, value).view(B * H, L, D + 1)
+            x = torch.cat([x.new_zeros(B * H, back, D + 1), x, x.new_zeros(B * H, ahead, D + 1)], 1)
+            return x.index_select(1, rows).view(B * H, n, span, D + 1)
+
+        q_b = pad_for_flash(qs, 0.0).view(B * H, n, c, D + 1)
+        out = flash_lse(q_b, keys(k, 0.0), keys(v, 1.0), allowed.unsqueeze(0))[0]
+        return out.reshape(B, H, L, D)
 
     def window_table(self, positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(T, W)`` key positions of each query's window and which exist (``0 <= j < length``)."""
