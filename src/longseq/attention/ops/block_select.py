@@ -265,15 +265,25 @@ def grouped_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, member
         keys_at = members[g]  # (n_tiles, Km)
         key_rows = (head.unsqueeze(-1) * k.shape[-2] + keys_at).flatten()  # rows of k as (B H N, D)
         fused = fusable(qs, v, dropout)
-        # fused: a row of padding (row_ok False) may attend every key, its result is dropped below
-        needs_mask = not fused or band is not None or not bool(member_ok.all())
-        allowed = None
-        if needs_mask:
-            allowed = member_ok[(head // H) if member_ok.shape[0] > 1 else torch.zeros_like(head), g]  # (n_tiles, Km)
-            allowed = allowed.unsqueeze(1) & row_ok.unsqueeze(-1)  # (n_tiles, tile, Km)
+        tile_ok = member_ok[(head // H) if member_ok.shape[0] > 1 else torch.zeros_like(head), g]  # (n_tiles, Km)
+
+        def allowed_in(which: torch.Tensor | None) -> torch.Tensor:
+            """``(tiles, tile, Km)`` bool of the tiles ``which`` (None: all): real row, real member, in the band."""
+            pick = (lambda x: x) if which is None else (lambda x: x[which])  # noqa: E731
+            allowed = pick(tile_ok).unsqueeze(1) & pick(row_ok).unsqueeze(-1)
             if band is not None:
-                offset = positions[query % T].unsqueeze(-1) - keys_at.unsqueeze(1)  # (n_tiles, tile, Km): p - j
+                offset = positions[pick(query) % T].unsqueeze(-1) - pick(keys_at).unsqueeze(1)  # p - j
                 allowed = allowed & (offset <= band[0]) & (offset >= -band[1])
+            return allowed
+
+        full = None  # fused: tiles whose real rows may attend every key run without a mask (a row of padding
+        if fused:  # attends every key there, its result is dropped below)
+            full = tile_ok.all(-1)
+            if band is not None:  # the band holds the tile when its nearest and farthest (p, j) pairs are in it
+                p = positions[query % T]
+                p_lo = p.masked_fill(~row_ok, torch.iinfo(p.dtype).max).amin(-1)
+                p_hi = p.masked_fill(~row_ok, torch.iinfo(p.dtype).min).amax(-1)
+                full &= (p_hi - keys_at.amin(-1) <= band[0]) & (p_lo - keys_at.amax(-1) >= -band[1])
     # index_select: its backward is an index_add (an advanced index's is a slow accumulating index_put)
     if fused:  # the tiles as the batch of flash calls, gathered from padded sources (``FlashLse``)
         q_p = pad_for_flash(qs, 0.0).view(B * H * T, D + 1)
@@ -285,19 +295,22 @@ def grouped_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, member
             n = rows_q.shape[0]
             gather = lambda x, rows, width: x.index_select(0, rows.flatten()).view(n, 1, width, D + 1)  # noqa: E731
             out, lse = flash_lse(gather(q_p, rows_q, tile), gather(k_p, rows_k, Km), gather(v_p, rows_k, Km),
-                                 None if mask is None else mask[which].unsqueeze(1))
+                                 None if mask is None else mask.unsqueeze(1))
             return out.squeeze(1), lse.squeeze(1)
 
-        if allowed is None:
+        if bool(full.all()):
             out_t, lse = flash_tiles(None, None)
-        else:  # tiles whose real rows may attend every key need no mask (nsa: all but the own block's tiles)
-            full = (allowed | ~row_ok.unsqueeze(-1)).flatten(1).all(-1)
+        else:  # nsa's selection: only the own block's tiles are cut by the causal band
             split = [full.nonzero().squeeze(-1), (~full).nonzero().squeeze(-1)]
-            parts = [flash_tiles(which, mask) for which, mask in zip(split, (None, allowed)) if which.numel()]
+            with torch.no_grad():
+                partial = allowed_in(split[1])
+            parts = [flash_tiles(which, mask) for which, mask in zip(split, (None, partial)) if which.numel()]
             order = torch.cat(split)
             tile_pair, row_ok = tile_pair[order], row_ok[order]
             out_t, lse = (torch.cat(x) for x in zip(*parts))
     else:
+        with torch.no_grad():
+            allowed = allowed_in(None)
         q_t = qs.reshape(B * H * T, D).index_select(0, query.flatten()).view(n_tiles, tile, D)
         k_t = k.reshape(-1, D).index_select(0, key_rows).view(n_tiles, Km, D)
         v_t = v.reshape(-1, Dv).index_select(0, key_rows).view(n_tiles, Km, Dv)
