@@ -13,7 +13,6 @@ from torchvision.utils import make_grid, save_image
 from longseq.models.transformer import check_positive_int
 from longseq.utils.errors import ConfigError
 
-
 GRID_MIN_SIZE = 512  # pixels on the longer side of a saved / logged grid: 16 digits are 37 px wide unscaled
 
 

@@ -48,15 +48,13 @@ from longseq.attention.base import Attention, AttentionConfigError, check_int_kn
 from longseq.attention.ops.block_select import (
     block_attention,
     block_table,
-    flash_lse,
-    fusable,
     gathered_attention,
     grouped_attention,
-    pad_for_flash,
     score_dtype,
     scoring,
     top_blocks,
 )
+from longseq.attention.ops.cpu.flash_lse import flash_lse, fusable, pad_for_flash
 from longseq.attention.ops.decoding import KVCache
 from longseq.attention.ops.geometry import BlockGrid
 from longseq.attention.ops.masks import NEG_INF, full_mask

@@ -1,0 +1,73 @@
+"""The CPU engine's fused path of query-dependent block selection (``ops.block_select``: ``moba``, ``nsa``,
+``combiner_select``): the (tile, keys) products as CPU flash calls whose log-sum-exp stays differentiable, so
+parts computed apart still merge exactly by their log-sum-exps."""
+
+from __future__ import annotations
+
+import torch
+
+from longseq.attention.ops.amp import autocast_function
+from longseq.attention.ops.cpu.kernels import flash_attention, flash_attention_backward
+from longseq.attention.ops.masks import NEG_INF
+
+
+def fusable(x: torch.Tensor, v: torch.Tensor, dropout: float = 0.0) -> bool:
+    """Whether the products of queries ``x`` and values ``v`` may run as fused CPU flash calls (``FlashLse``): CPU,
+    fp32/fp64, one head size, no dropout, autocast off, not being compiled; elsewhere the explicit masked-softmax
+    path (the same numbers) runs."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and v.dtype == x.dtype
+            and v.shape[-1] == x.shape[-1] and not dropout
+            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling())
+
+
+@autocast_function
+class FlashLse(torch.autograd.Function):
+    """``(out, lse)`` of one softmax per query row over its keys, by the fused CPU flash kernel, both differentiable
+    (the kernel's own autograd drops the lse gradient, which merging parts by their log-sum-exps needs).
+
+    Inputs are padded by ``pad_for_flash`` (one extra last column: 0 for q and k, 1 for v): q ``(N, h, T, D + 1)``,
+    k, v ``(N, h, S, D + 1)`` with unit last stride (queries already scaled); ``mask`` additive float ``(N|1, h|1, T,
+    S)`` (0 = may attend, -inf = not) or None; ``empty`` bool broadcastable to ``(N, h, T)``: rows without an allowed
+    key (out 0, lse -inf), or None. Returns ``out`` ``(N, h, T, D)`` and ``lse`` ``(N, h, T)``.
+
+    Why the padding: ``d lse_i / d s_ij = p_ij``, so the lse gradient g enters the one flash backward call as
+    ``dO``'s value on the column of ones (``dP_ij += g_i``), whose output column is given as 0 (``D_i = dO_i . O_i``
+    unchanged); the kernel wants one head size, hence the zero column of q and k (the logits do not change). Padding
+    the sources before they are gathered avoids copying the large gathered tiles.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, empty, causal):
+        out, lse = flash_attention(q, k, v, 0.0, causal, attn_mask=mask, scale=1.0)
+        if empty is not None:
+            lse = lse.masked_fill(empty, 0.0)  # finite for the backward kernel; those rows' p are all 0 anyway
+        result = out[..., :-1].clone()
+        out[..., -1] = 0.0  # the row sums of p (the ones column): 0 for the backward (see above)
+        ctx.save_for_backward(q, k, v, out, lse, mask, empty)
+        ctx.causal = causal
+        return result, lse if empty is None else lse.masked_fill(empty, NEG_INF)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, mask, empty = ctx.saved_tensors
+        if empty is not None:
+            grad_lse = grad_lse.masked_fill(empty, 0.0)
+        grad = torch.cat([grad_out, grad_lse.unsqueeze(-1).to(grad_out.dtype)], -1)
+        dq, dk, dv = flash_attention_backward(grad, q, k, v, out, lse, 0.0, ctx.causal, attn_mask=mask, scale=1.0)
+        return dq, dk, dv, None, None, None
+
+
+def pad_for_flash(x: torch.Tensor, value: float) -> torch.Tensor:
+    """``x`` ``(..., D)`` with one more last column of ``value`` (``FlashLse``: 0 for q and k, 1 for v)."""
+    return torch.cat([x, x.new_full((*x.shape[:-1], 1), value)], -1)
+
+
+def flash_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
+              causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``FlashLse`` of padded q, k, v (``pad_for_flash``) from a bool ``allowed`` ``(N|1, h|1, T, S)`` (True = may
+    attend) or None (every key)."""
+    if allowed is None:
+        return FlashLse.apply(q, k, v, None, None, causal)
+    mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, NEG_INF)
+    empty = ~allowed.any(-1)
+    return FlashLse.apply(q, k, v, mask, empty if bool(empty.any()) else None, causal)
