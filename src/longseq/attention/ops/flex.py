@@ -47,7 +47,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.attention.flex_attention as flex_module
 from torch.nn.attention.flex_attention import (
     AuxRequest,
     BlockMask,
@@ -57,6 +56,7 @@ from torch.nn.attention.flex_attention import (
 )
 
 from longseq.attention.base import Attention, AttentionConfigError
+from longseq.attention.ops.cpu.kernels import flex_reference
 from longseq.attention.ops.geometry import cluster_order, num_log_levels
 from longseq.attention.ops.masks import NEG_INF
 from longseq.attention.ops.partition import Partition
@@ -390,17 +390,7 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) ->
     if q.is_cuda:
         out, aux = _compiled(flex_attention)(q, k, v, block_mask=mask, scale=1.0, return_aux=AuxRequest(lse=True))
         return out, aux.lse
-    # CPU: the unfused reference (forward only) is the intended path. Uncompiled, flex_attention still traces its
-    # higher-order op with dynamo's eager backend, once per new mask_mod closure (about 0.5 s each: every padded
-    # batch and every module makes one) to run the same math the op runs when called directly; torch's switch
-    # for calling it directly is this module flag (documented as unsafe for backward only, which CPU refuses).
-    previous = flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
-    flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
-    try:
-        out, aux = flex_attention(q, k, v, block_mask=mask, scale=1.0, return_aux=AuxRequest(lse=True))
-    finally:
-        flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = previous
-    return out, aux.lse
+    return flex_reference(q, k, v, mask)  # CPU: the unfused reference, forward only (``ops.cpu.kernels``)
 
 
 def _in_order(x: torch.Tensor, plan: FlexPlan) -> torch.Tensor:
