@@ -12,7 +12,7 @@ import torch
 from helpers import CASES, L, build, padding_masks, random_qkv
 
 from longseq.attention import ATTENTION_REGISTRY, AttentionConfigError
-from longseq.attention.ops import dispatch
+from longseq.attention.ops import block_select, dispatch
 from longseq.attention.ops.dispatch import BACKENDS, CpuFlash, Facts, Variant, choose
 
 CPU_FLASH = [(name, causal) for name, causal in CASES if dispatch.static_reason(
@@ -140,6 +140,16 @@ def test_the_reasons_name_the_condition():
     assert "no CPU backward" in choose("flex", GRID, facts("cpu", grad=True)).refusal
     assert choose("flex", GRID, facts("cpu")).backend == "flex"  # CPU inference by name
     assert "stays on SDPA" in choose("flex", FULL, facts("cuda")).refusal
+
+
+def test_an_eager_fp32_path_runs_explicit_in_half_precision_and_under_compile():
+    """Block selection's fused tiles (``block_select.CPU_FLASH``): fp32/fp64 and eager only, key padding fine."""
+    tiles = Variant("moba", "sparse", True, block_select.CPU_FLASH, "no flex layout")
+    assert choose("auto", tiles, facts(key_padding=True, grad=True)).backend == "cpu_flash"
+    for condition, reason in (({"dtype": torch.bfloat16}, "fp32 / fp64 only"), ({"compiling": True}, "eagerly only")):
+        assert choose("auto", tiles, facts(**condition)).backend == "explicit"
+        assert reason in choose("cpu_flash", tiles, facts(**condition)).refusal
+    assert choose("auto", GRID, facts(compiling=True)).backend == "cpu_flash"  # the other paths compile
 
 
 def test_the_choice_is_logged_once_with_the_reasons(caplog):

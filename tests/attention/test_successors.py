@@ -124,24 +124,25 @@ def test_top_blocks_is_the_stable_sort_with_ties_infinities_and_signed_zeros(dty
 
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("name", ["moba", "nsa", "combiner_select"])
-def test_fused_cpu_path_equals_the_explicit_path(name, causal, padded, monkeypatch):
+@pytest.mark.parametrize("name", ["moba", "nsa", "nsa_one_block_window", "combiner_select"])
+def test_fused_cpu_path_equals_the_explicit_path(name, causal, padded):
     """The fused CPU flash path of ``block_attention`` / ``grouped_attention`` (``FlashLse``: its log-sum-exp
-    differentiable, so the parts merge exactly) gives the explicit masked-softmax path's outputs and gradients."""
-    knobs = {"nsa": {"compress_block": M, "window": 6, "select_blocks": 4}}.get(name, {})
-    attn = build(name, causal, seq_len=L32, block_size=M, **knobs).double().eval()
+    differentiable, so the parts merge exactly; ``attention.backend=cpu_flash``, which ``auto`` picks on CPU) gives
+    the explicit masked-softmax path's outputs and gradients, with and without key padding."""
+    knobs = {"nsa": {"compress_block": M, "window": 6, "select_blocks": 4},
+             "nsa_one_block_window": {"compress_block": M, "window": M, "select_blocks": 4}}.get(name, {})
+    attn = build(name.removesuffix("_one_block_window"), causal, seq_len=L32, block_size=M, **knobs).double().eval()
     q, k, v = random_qkv(B=3, L=L32, requires_grad=True)
     pad = padding_masks(L32) if padded else None
     grad = torch.randn(3, 2, L32, 8, dtype=torch.float64)
 
-    def run():
+    def run(backend):
+        attn.backend, attn.backends_used = backend, {}
         out = attn(q, k, v, key_padding_mask=pad)
+        assert attn.backends_used.keys() == {backend}
         return (out, *torch.autograd.grad((out * grad).sum(), (q, k, v)))
 
-    assert block_select.fusable(q, v)
-    fused = run()
-    monkeypatch.setattr(block_select, "fusable", lambda *args, **kwargs: False)
-    for got, expected in zip(fused, run()):
+    for got, expected in zip(run("cpu_flash"), run("explicit")):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, expected, atol=1e-10, rtol=0)
 
@@ -250,8 +251,9 @@ def test_nsa_selecting_every_block_and_a_window_of_L_are_full_attention(causal):
     assert_output_matches_matrix(attn, q, k, v)
 
 
-@pytest.mark.parametrize("knobs", [{}, {"compress": "mlp"}, {"gates": "sigmoid"}, {"compress_stride": 1}],
-                         ids=["mean", "mlp", "sigmoid", "stride1"])
+@pytest.mark.parametrize("knobs", [{}, {"compress": "mlp"}, {"gates": "sigmoid"}, {"compress_stride": 1},
+                                   {"window": M}, {"window": M, "local_blocks": 3, "select_blocks": 5}],
+                         ids=["mean", "mlp", "sigmoid", "stride1", "window_one_block", "three_local_blocks"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_nsa_forward_applies_its_matrix_with_real_choices(causal, knobs):
     """8 selection blocks, n = 4 (first + 2 local + 1 chosen): ``forward == attention_matrix @ v`` for both

@@ -185,6 +185,7 @@ class Attention(nn.Module):
             dropout=self.training and self.dropout > 0,
             value_width=v.shape[-1],
             head_dim=q.shape[-1],
+            compiling=torch.compiler.is_compiling(),
             geometry=None if self.cpu_flash is None else self.cpu_flash_geometry(q.shape[-2]),
         )
         choice = dispatch.choose(self.backend, self.dispatch_variant(), facts)

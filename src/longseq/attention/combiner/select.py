@@ -29,6 +29,7 @@ import torch
 
 from longseq.attention.base import Attention, AttentionConfigError, check_int_knob
 from longseq.attention.ops.block_select import (
+    CPU_FLASH,
     block_attention,
     gather_keys,
     grouped_attention,
@@ -66,6 +67,7 @@ class CombinerSelectAttention(PartitionDecoder, Attention):
     """
 
     supports_padding_mask = True
+    cpu_flash = CPU_FLASH
 
     def __init__(self, *, causal: bool, partition="fixed", top_k: int = 2, block_size: int | None = None,
                  summary: str = "max", **common) -> None:
@@ -100,11 +102,15 @@ class CombinerSelectAttention(PartitionDecoder, Attention):
 
     def tables(self, length: int, device) -> tuple[torch.Tensor, ...]:
         """Index tables of ``partition(length)``: direct ``(L, Kd)``, usable regions ``(L, Kr)``, members
-        ``(R, Km)``, each with its valid mask (cached per length and device)."""
+        ``(R, Km)``, each with its valid mask; the usable regions as None and the ``(L, R)`` mask instead where
+        ``dense_regions`` holds (cached per length and device)."""
         key = (length, str(device))
         if key not in self._tables:
             part = self.partition(length, device)
-            self._tables[key] = (*index_table(part.direct), *index_table(part.usable), *index_table(part.members))
+            regions, region_ok = index_table(part.usable)
+            if self.dense_regions(part.usable.shape[-1], regions):
+                regions, region_ok = None, part.usable
+            self._tables[key] = (*index_table(part.direct), regions, region_ok, *index_table(part.members))
         return self._tables[key]
 
     # -- shared steps -------------------------------------------------------------------------------------
@@ -116,47 +122,53 @@ class CombinerSelectAttention(PartitionDecoder, Attention):
         return self.inner.summary.region_summaries(gather(qs), gather(k), gather(v), usable)
 
     def dense_regions(self, n_regions: int, regions: torch.Tensor) -> bool:
-        """Whether summary logits are computed against every region and then picked (few regions, e.g. fixed:
-        one ``(T, R)`` product) rather than gathered per query (many regions, e.g. one per axial column prefix)."""
+        """Whether a query's regions are better taken as a ``(T, R)`` mask over every region (few regions, e.g.
+        fixed: one ``(T, R)`` product, no gather or scatter) than gathered per query from its table (many regions,
+        e.g. one per axial column prefix)."""
         return n_regions <= 2 * regions.shape[-1]
 
-    def region_logits(self, qs: torch.Tensor, k_bar: torch.Tensor, regions: torch.Tensor) -> torch.Tensor:
-        """``(B, H, T, Kr)`` logits of each query against the summary keys of its usable regions ``regions``."""
-        B, H, T, _ = qs.shape
-        if self.dense_regions(k_bar.shape[-2], regions):
-            return (qs @ k_bar.transpose(-1, -2)).gather(-1, regions.expand(B, H, T, -1))
+    def region_logits(self, qs: torch.Tensor, k_bar: torch.Tensor, regions: torch.Tensor | None) -> torch.Tensor:
+        """Logits of each query against the summary keys: every region ``(B, H, T, R)`` (``regions`` None, the dense
+        form) or its usable regions ``regions`` ``(B|1, H|1, T, Kr)`` -> ``(B, H, T, Kr)``."""
+        if regions is None:
+            return qs @ k_bar.transpose(-1, -2)
         return (gather_keys(k_bar, regions) @ qs.unsqueeze(-1)).squeeze(-1)
 
-    def choose(self, qs, k_bar, regions, region_ok):
+    def choose(self, qs, k_bar, regions, region_ok, logits=None):
         """The ``top_k`` usable regions per query by ``q . k_bar``: ``regions`` ``(B|1, H|1, T, Kr)`` ids, ``region_ok``
-        their usability -> chosen slots ``(B, H, T, k)`` into ``regions`` and whether each is used."""
+        their usability -> chosen slots ``(B, H, T, k)`` into ``regions`` and whether each is used. ``logits``: the
+        joint softmax's own region logits, reused when already in the scoring dtype (fp32 / fp64, no autocast)."""
         with scoring(qs):
             dtype = score_dtype(qs)
-            scores = self.region_logits(qs.to(dtype), k_bar.to(dtype), regions).masked_fill(~region_ok, NEG_INF)
+            if logits is None or logits.dtype != dtype:
+                logits = self.region_logits(qs.to(dtype), k_bar.to(dtype), regions)
+            scores = logits.detach().masked_fill(~region_ok, NEG_INF)
         return top_blocks(scores, self.top_k)
 
-    def joint(self, qs, k, v, k_bar, v_bar, direct, regions, region_ok, members, member_ok):
+    def joint(self, qs, k, v, k_bar, v_bar, direct, regions, region_ok, members, member_ok, fused=False):
         """One softmax per query over its direct keys (``direct``: that part's ``(out, lse)``), the members of its
         ``top_k`` regions (tiled by region, ``grouped_attention``) and the summaries of its other usable regions,
-        merged by log-sum-exp. Region tables are per query ``(B|1, H|1, T, Kr)``; ``members``/``member_ok`` ``(R,
-        Km)`` / ``(B|1, 1, R, Km)``. Returns ``(out (B, H, T, Dv), lse (B, H, T))``."""
+        merged by log-sum-exp. Regions: per query ``regions`` ``(B|1, H|1, T, Kr)`` ids and ``region_ok`` their
+        usability, or ``regions`` None and ``region_ok`` ``(B|1, 1, T, R)`` a mask over every region (the dense form,
+        ``dense_regions``); ``members``/``member_ok`` ``(R, Km)`` / ``(B|1, 1, R, Km)``; ``fused``: the CPU engine's tiles (``cpu_flash``). Returns ``(out (B, H, T, Dv),
+        lse (B, H, T))``."""
         B, H, T, _ = qs.shape
         drop = self.dropout if self.training else 0.0
-        slots, ok = self.choose(qs, k_bar, regions, region_ok)
-        chosen = regions.expand(B, H, T, -1).gather(-1, slots)  # (B, H, T, k) region ids
-        picked = grouped_attention(qs, k, v, members, member_ok[:, 0], chosen, ok, dropout=drop)
-        replaced = torch.zeros(B, H, T, regions.shape[-1], dtype=torch.bool, device=qs.device).scatter(-1, slots, ok)
-        weights, lse = safe_softmax(self.region_logits(qs, k_bar, regions), region_ok & ~replaced)
+        logits = self.region_logits(qs, k_bar, regions)
+        slots, ok = self.choose(qs, k_bar, regions, region_ok, logits)
+        chosen = slots if regions is None else regions.expand(B, H, T, -1).gather(-1, slots)  # (B, H, T, k) ids
+        picked = grouped_attention(qs, k, v, members, member_ok[:, 0], chosen, ok, dropout=drop, fused=fused)
+        replaced = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, slots, ok)
+        weights, lse = safe_softmax(logits, region_ok & ~replaced)
         if drop:
             weights = torch.nn.functional.dropout(weights, drop)
-        if self.dense_regions(k_bar.shape[-2], regions):
-            spread = weights.new_zeros(B, H, T, k_bar.shape[-2]).scatter_add(-1, regions.expand(B, H, T, -1), weights)
-            summary = spread.to(v_bar.dtype) @ v_bar
+        if regions is None:
+            summary = weights.to(v_bar.dtype) @ v_bar
         else:
             summary = (weights.unsqueeze(-2).to(v_bar.dtype) @ gather_keys(v_bar, regions)).squeeze(-2)
         return merge_parts([direct, picked, (summary, lse)])
 
-    def direct_part(self, qs, k, v, direct, direct_ok, whole: bool = False):
+    def direct_part(self, qs, k, v, direct, direct_ok, whole: bool = False, fused: bool = False):
         """Each query over its direct keys ``(out, lse)``, from its direct table ``(B|1, H|1, T, Kd)``: for the whole
         sequence (``whole``) of the fixed partition, the own segment as batched ``(m, m)`` products (the table lists
         the segment's keys in order); otherwise gathered per query."""
@@ -165,7 +177,7 @@ class CombinerSelectAttention(PartitionDecoder, Attention):
             m = self.inner.block_size
             B, H, L, _ = qs.shape
             allowed = direct_ok.reshape(direct_ok.shape[0], 1, L // m, m, -1)  # own segment in order: (.., m, m)
-            return block_attention(qs, k, v, m, allowed, drop)
+            return block_attention(qs, k, v, m, allowed, drop, fused)
         weights, lse = safe_softmax((gather_keys(k, direct) @ qs.unsqueeze(-1)).squeeze(-1), direct_ok)
         if drop:
             weights = torch.nn.functional.dropout(weights, drop)
@@ -187,20 +199,26 @@ class CombinerSelectAttention(PartitionDecoder, Attention):
         direct, direct_ok, regions, region_ok, members, member_ok = self.tables(L, q.device)
         qs = self.scale(q)
         direct, direct_ok = direct.view(1, 1, L, -1), direct_ok.view(1, 1, L, -1)
-        regions, region_ok = regions.view(1, 1, L, -1), region_ok.view(1, 1, L, -1)
+        region_ok = region_ok.view(1, 1, L, -1)
+        regions = None if regions is None else regions.view(1, 1, L, -1)
         member_ok = member_ok.view(1, 1, *member_ok.shape)
         if key_padding_mask is not None:  # ``ops.padding``: padded keys leave direct sets and regions
             real = ~key_padding_mask.to(device=q.device, dtype=torch.bool)  # (B, L)
             member_ok = member_ok & real[:, members].unsqueeze(1)  # (B, 1, R, Km)
             occupied = member_ok.any(-1)  # (B, 1, R)
-            region_ok = region_ok & occupied[torch.arange(B, device=q.device).view(B, 1, 1, 1), 0, regions]
+            if regions is None:
+                region_ok = region_ok & occupied.unsqueeze(-2)
+            else:
+                region_ok = region_ok & occupied[torch.arange(B, device=q.device).view(B, 1, 1, 1), 0, regions]
             unpadded = direct_ok
             direct_ok = direct_ok & real[:, direct[0, 0]].unsqueeze(1)
+        fused = self.backend_for(q, k, v, key_padding_mask) == "cpu_flash"
         k_bar, v_bar = self.summaries(qs, k, v, members, member_ok)
-        out, lse = self.joint(qs, k, v, k_bar, v_bar, self.direct_part(qs, k, v, direct, direct_ok, True), regions,
-                              region_ok, members, member_ok)
+        out, lse = self.joint(qs, k, v, k_bar, v_bar, self.direct_part(qs, k, v, direct, direct_ok, True, fused),
+                              regions, region_ok, members, member_ok, fused)
         if key_padding_mask is not None:  # rule 3: a query without any real key: its unpadded direct keys
-            out = torch.where((lse > NEG_INF).unsqueeze(-1), out, self.direct_part(qs, k, v, direct, unpadded, True)[0])
+            unpadded_out = self.direct_part(qs, k, v, direct, unpadded, True, fused)[0]
+            out = torch.where((lse > NEG_INF).unsqueeze(-1), out, unpadded_out)
         return out
 
     def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -50,13 +50,18 @@ class CpuFlash:
     Every CPU-engine path needs CPU tensors and one head size for q and v (the fused kernels take one D; tests
     probe the weights with v = identity). ``causal_only``: the bidirectional build has no such path.
     ``half_precision_training=False``: bf16/fp16 training runs explicit (the CPU flash backward measured about
-    twice its fp32 time in bf16, slower than explicit batched matmuls that bf16 speeds up).
+    twice its fp32 time in bf16, slower than explicit batched matmuls that bf16 speeds up). ``half_precision=False``:
+    every bf16/fp16 call runs explicit (the path computes in fp32/fp64 only). ``compiles=False``: while
+    ``torch.compile`` traces, the call runs explicit (the path is eager-only: its autograd Function keeps a
+    differentiable log-sum-exp that the traced graph does not).
     """
 
     key_padding: bool = False
     dropout: bool = False
     half_precision_training: bool = True
+    half_precision: bool = True
     causal_only: bool = False
+    compiles: bool = True
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,8 @@ class Variant:
 class Facts:
     """The facts of one call: device type of the inputs (``"cpu"``, ``"cuda"``, ...), compute dtype (autocast's when
     active), whether autograd differentiates through it (``grad``), key padding, active weight dropout, the widths
-    of v and q, and ``geometry``: why the variant's CPU-engine path does not fit this length (None: it does)."""
+    of v and q, whether ``torch.compile`` is tracing the call, and ``geometry``: why the variant's CPU-engine path
+    does not fit this length (None: it does)."""
 
     device: str
     dtype: torch.dtype
@@ -84,6 +90,7 @@ class Facts:
     dropout: bool = False
     value_width: int = 1
     head_dim: int = 1
+    compiling: bool = False
     geometry: str | None = None
 
 
@@ -133,8 +140,12 @@ def call_reason(backend: str, variant: Variant, facts: Facts) -> str | None:
             return "key padding (this variant's CPU-engine path has no padding masks)"
         if facts.dropout and not path.dropout:
             return "weight dropout in training (this variant's CPU-engine path has none)"
+        if facts.dtype in HALF and not path.half_precision:
+            return f"{facts.dtype} (this variant's CPU-engine path computes in fp32 / fp64 only)"
         if facts.grad and facts.dtype in HALF and not path.half_precision_training:
             return f"{facts.dtype} training (the CPU flash backward is slower than explicit in half precision)"
+        if facts.compiling and not path.compiles:
+            return "torch.compile tracing (this variant's CPU-engine path runs eagerly only)"
         return facts.geometry
     # flex
     if facts.device not in ("cpu", "cuda"):

@@ -27,6 +27,7 @@ import torch
 
 from longseq.attention.base import Attention, check_int_knob
 from longseq.attention.ops.block_select import (
+    CPU_FLASH,
     block_attention,
     block_table,
     gathered_attention,
@@ -62,6 +63,7 @@ class MobaAttention(BlockGrid, Attention):
 
     supports_padding_mask = True
     supports_decoding = True
+    cpu_flash = CPU_FLASH
 
     def __init__(self, *, causal: bool, block_size: int, top_k: int = 2, **base) -> None:
         super().__init__(causal=causal, block_size=block_size, **base)
@@ -101,6 +103,7 @@ class MobaAttention(BlockGrid, Attention):
         qs = self.scale(q)
         drop = self.dropout if self.training else 0.0
         real = None if key_padding_mask is None else ~key_padding_mask.to(device=q.device, dtype=torch.bool)
+        fused = self.backend_for(q, k, v, key_padding_mask) == "cpu_flash"
         k_bar, occupied = self.block_means(k, real)
         pos = torch.arange(L, device=q.device)
         choosable = other_blocks_mask(n, self.causal, q.device)[pos // m].view(1, 1, L, -1)
@@ -112,13 +115,14 @@ class MobaAttention(BlockGrid, Attention):
         members = pos.view(n, m)
         if real is None:
             member_ok = torch.ones(1, n, m, dtype=torch.bool, device=q.device)
-            own = block_attention(qs, k, v, m, within, drop)
+            own = block_attention(qs, k, v, m, within, drop, fused)
         else:
             member_ok = real.view(B, n, m)
-            own = block_attention(qs, k, v, m, within & member_ok.view(B, 1, n, 1, m), drop)
-        out, lse = merge_parts([own, grouped_attention(qs, k, v, members, member_ok, chosen, ok, dropout=drop)])
+            own = block_attention(qs, k, v, m, within & member_ok.view(B, 1, n, 1, m), drop, fused)
+        picked = grouped_attention(qs, k, v, members, member_ok, chosen, ok, dropout=drop, fused=fused)
+        out, lse = merge_parts([own, picked])
         if real is not None:  # rule 3: a query without a real key falls back to its unpadded own block
-            out = torch.where((lse > NEG_INF).unsqueeze(-1), out, block_attention(qs, k, v, m, within, drop)[0])
+            out = torch.where((lse > NEG_INF).unsqueeze(-1), out, block_attention(qs, k, v, m, within, drop, fused)[0])
         return out
 
     def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

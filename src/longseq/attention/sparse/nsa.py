@@ -30,10 +30,12 @@ a selection or window branch left without a real key falls back to its unpadded 
 compression branch drops out of the gates. Decoding (causal): a KV cache plus every compression block's pooled key
 and value, computed once when the block completes; a step recomputes the n best blocks from them, as ``forward``.
 
-Cost O(L (L / d + n l' + w) D): the compression logits are dense over the L / d pooled tokens (as in the paper); the
-selection and window branches pair each query with blocks (its chosen selection blocks; the window's neighbouring
-blocks) and run the pairs in tiles of queries sharing one block (``ops.block_select.grouped_attention``): small
-matrix products, no per-query key copy, never an ``L x L`` tensor. Decoding steps read a gathered key table. No
+Cost O(L (L / d + n l' + w) D): the compression logits are dense over the L / d pooled tokens (as in the paper).
+Without key padding the forced selection blocks (own, local, first) are whole-sequence block products and only the
+free picks are (query, block) pairs in tiles of queries sharing one block (``ops.block_select.grouped_attention``);
+a causal window of one block reuses the own-block part (``unpadded_selection_and_window``). Under key padding every
+pick, and the window's neighbouring blocks, go through the tiles. Small matrix products, no per-query key copy,
+never an ``L x L`` tensor. Decoding steps read a gathered key table. No
 FlexAttention path yet.
 """
 
@@ -46,15 +48,18 @@ from torch import nn
 
 from longseq.attention.base import Attention, AttentionConfigError, check_int_knob
 from longseq.attention.ops.block_select import (
+    CPU_FLASH,
     block_attention,
     block_table,
     gathered_attention,
     grouped_attention,
+    merge_parts,
     score_dtype,
     scoring,
+    sink_attention,
     top_blocks,
 )
-from longseq.attention.ops.cpu.flash_lse import flash_lse, fusable, pad_for_flash
+from longseq.attention.ops.cpu.flash_lse import flash_lse, pad_for_flash
 from longseq.attention.ops.decoding import KVCache
 from longseq.attention.ops.geometry import BlockGrid
 from longseq.attention.ops.masks import NEG_INF, full_mask
@@ -91,6 +96,7 @@ class NativeSparseAttention(BlockGrid, Attention):
     supports_padding_mask = True
     supports_decoding = True
     has_parameters = True
+    cpu_flash = CPU_FLASH
 
     def __init__(self, *, causal: bool, block_size: int, compress_block: int = 32, compress_stride: int | None = None,
                  select_blocks: int = 16, local_blocks: int = 2, window: int = 512, compress: str = "mean",
@@ -213,12 +219,41 @@ class NativeSparseAttention(BlockGrid, Attention):
         half = min(self.window // 2, length - 1)
         return half, half
 
-    def window_attention(self, qs, k, v, real, back: int, ahead: int, dropout: float) -> torch.Tensor:
+    def unpadded_selection_and_window(self, qs, k, v, chosen, ok, m: int, dropout: float, fused: bool):
+        """The selection and window branches without key padding ``(out_s, out_w)``, each ``(B, H, L, Dv)``. Every
+        query's forced blocks are always among its chosen ones here, so they run as whole-sequence products, parts
+        of the selection's one softmax: its own block (``block_attention``, causal: up to self), the
+        ``local_blocks - 1`` blocks before it (shifted block products) and block 0 for the queries past the local
+        blocks (``sink_attention``); only the free picks go through the tiled (query, block) pairs. A causal window
+        of one block (w = l', the default) is that own-block part plus a band of the block before, so it reuses the
+        part (not under dropout: the branches would share its mask); other windows: ``window_attention``."""
+        B, H, L, _ = qs.shape
+        n = L // m
+        everything = torch.ones(1, 1, 1, m, m, dtype=torch.bool, device=qs.device)
+        own = block_attention(qs, k, v, m, full_mask(m, self.causal, qs.device).view(1, 1, 1, m, m), dropout, fused)
+        parts = [own] + [block_attention(qs, k, v, m, everything, dropout, fused, shift=j)
+                         for j in range(1, min(self.local_blocks, n))]
+        if n > self.local_blocks:
+            parts.append(sink_attention(qs, k, v, m, self.local_blocks * m, dropout, fused))
+        own_block = (torch.arange(L, device=qs.device) // m).view(1, 1, L, 1)
+        forced = (chosen == 0) | ((chosen <= own_block) & (chosen > own_block - self.local_blocks))
+        members = torch.arange(L, device=qs.device).view(n, m)
+        member_ok = torch.ones(1, n, m, dtype=torch.bool, device=qs.device)
+        parts.append(grouped_attention(qs, k, v, members, member_ok, chosen, ok & ~forced, dropout=dropout,
+                                       fused=fused))
+        out_s = merge_parts(parts)[0]
+        back, ahead = self.reach(L)
+        if self.causal and self.window == m and not dropout:
+            band = torch.ones(m, m, dtype=torch.bool, device=qs.device).triu(1).view(1, 1, 1, m, m)  # j > i - m
+            return out_s, merge_parts([own, block_attention(qs, k, v, m, band, 0.0, fused, shift=1)])[0]
+        return out_s, self.window_attention(qs, k, v, None, back, ahead, dropout, fused)
+
+    def window_attention(self, qs, k, v, real, back: int, ahead: int, dropout: float, fused: bool) -> torch.Tensor:
         """The window branch of ``forward``: positions in blocks of ``b = max(back, ahead, 1)`` (the last one padded),
         each query paired with its own block and the neighbours its reach touches (``grouped_attention``);
         ``real`` ``(B, L)`` or None; a query whose window holds no real key falls back to its unpadded window."""
         B, H, L, _ = qs.shape
-        if real is None and fusable(qs, v, dropout):
+        if real is None and fused:
             return self.window_flash(qs, k, v, back, ahead)
         b = max(back, ahead, 1)
         n = -(-L // b)
@@ -230,10 +265,12 @@ class NativeSparseAttention(BlockGrid, Attention):
         chosen = (own.view(L, 1) + steps).clamp(0, n - 1).view(1, 1, L, -1).expand(B, qs.shape[1], L, -1)
         ok = ((own.view(L, 1) + steps >= 0) & (own.view(L, 1) + steps < n)).view(1, 1, L, -1).expand_as(chosen)
         if real is None:
-            return grouped_attention(qs, k, v, members, inside, chosen, ok, (back, ahead), dropout=dropout)[0]
+            return grouped_attention(qs, k, v, members, inside, chosen, ok, (back, ahead), dropout=dropout,
+                                     fused=fused)[0]
         out, lse = grouped_attention(qs, k, v, members, inside & real[:, members], chosen, ok, (back, ahead),
-                                     dropout=dropout)
-        unpadded = grouped_attention(qs, k, v, members, inside, chosen, ok, (back, ahead), dropout=dropout)[0]
+                                     dropout=dropout, fused=fused)
+        unpadded = grouped_attention(qs, k, v, members, inside, chosen, ok, (back, ahead), dropout=dropout,
+                                     fused=fused)[0]
         return torch.where((lse > NEG_INF).unsqueeze(-1), out, unpadded)
 
     def window_flash(self, qs, k, v, back: int, ahead: int) -> torch.Tensor:
@@ -280,6 +317,7 @@ class NativeSparseAttention(BlockGrid, Attention):
         pos = torch.arange(L, device=q.device)
         drop = self.dropout if self.training else 0.0
         real = None if key_padding_mask is None else ~key_padding_mask.to(device=q.device, dtype=torch.bool)
+        fused = self.backend_for(q, k, v, key_padding_mask) == "cpu_flash"
 
         # compression: blocks of l every d tokens, pooled; one dense softmax over the L / d pooled tokens
         C, l, d = self.n_compressed(L), self.compress_block, self.compress_stride
@@ -290,7 +328,7 @@ class NativeSparseAttention(BlockGrid, Attention):
         if real_c is not None:
             compressed_ok = compressed_ok & real_c.any(-1).unsqueeze(-2)
         has_compressed = compressed_ok.any(-1, keepdim=True)
-        if C and fusable(qs, v_c, drop):  # one fused CPU flash call; a query without a usable block gets 0
+        if C and fused:  # one fused CPU flash call; a query without a usable block gets 0
             out_c = flash_lse(pad_for_flash(qs, 0.0), pad_for_flash(k_c, 0.0), pad_for_flash(v_c, 1.0), compressed_ok)[0]
         else:
             logits = (qs @ k_c.transpose(-1, -2)).masked_fill(~compressed_ok, NEG_INF)
@@ -299,17 +337,20 @@ class NativeSparseAttention(BlockGrid, Attention):
         # selection: the n best selection blocks at full resolution (causal: up to self), (query, block) pairs tiled
         occupied = None if real is None else real.view(B, 1, 1, S, m).any(-1)
         chosen, ok = self.choose(qs, k_c, compressed_ok, pos, S, occupied)
+        if real is None:
+            out_s, out_w = self.unpadded_selection_and_window(qs, k, v, chosen, ok, m, drop, fused)
+            gates = self.gate_values(q, has_compressed)
+            return gates[..., :1] * out_c + gates[..., 1:2] * out_s + gates[..., 2:] * out_w
         members = pos.view(S, m)
-        member_ok = torch.ones(1, S, m, dtype=torch.bool, device=q.device) if real is None else real.view(B, S, m)
         causal = (L, 0) if self.causal else None
-        out_s, lse = grouped_attention(qs, k, v, members, member_ok, chosen, ok, causal, dropout=drop)
-        if real is not None:  # rule 3: the unpadded own block
-            own = block_attention(qs, k, v, m, full_mask(m, self.causal, q.device).view(1, 1, 1, m, m), drop)[0]
-            out_s = torch.where((lse > NEG_INF).unsqueeze(-1), out_s, own)
+        out_s, lse = grouped_attention(qs, k, v, members, real.view(B, S, m), chosen, ok, causal, dropout=drop,
+                                       fused=fused)
+        own = block_attention(qs, k, v, m, full_mask(m, self.causal, q.device).view(1, 1, 1, m, m), drop, fused)[0]
+        out_s = torch.where((lse > NEG_INF).unsqueeze(-1), out_s, own)  # rule 3: the unpadded own block
 
         # window: blocks of the window's reach, each query against its own and neighbouring blocks, band-masked
         back, ahead = self.reach(L)
-        out_w = self.window_attention(qs, k, v, real, back, ahead, drop)
+        out_w = self.window_attention(qs, k, v, real, back, ahead, drop, fused)
 
         gates = self.gate_values(q, has_compressed)
         return gates[..., :1] * out_c + gates[..., 1:2] * out_s + gates[..., 2:] * out_w

@@ -11,15 +11,6 @@ from longseq.attention.ops.cpu.kernels import flash_attention, flash_attention_b
 from longseq.attention.ops.masks import NEG_INF
 
 
-def fusable(x: torch.Tensor, v: torch.Tensor, dropout: float = 0.0) -> bool:
-    """Whether the products of queries ``x`` and values ``v`` may run as fused CPU flash calls (``FlashLse``): CPU,
-    fp32/fp64, one head size, no dropout, autocast off, not being compiled; elsewhere the explicit masked-softmax
-    path (the same numbers) runs."""
-    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and v.dtype == x.dtype
-            and v.shape[-1] == x.shape[-1] and not dropout
-            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling())
-
-
 @autocast_function
 class FlashLse(torch.autograd.Function):
     """``(out, lse)`` of one softmax per query row over its keys, by the fused CPU flash kernel, both differentiable
