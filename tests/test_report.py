@@ -109,3 +109,20 @@ def test_train_records_completed_and_failed_runs(make_cfg, tmp_path: Path) -> No
     record = json.loads((failed_dir / "metrics.json").read_text())
     assert record["status"] == "failed" and record["metrics"] == {}
     assert type(raised.value).__name__ in record["error"] and "block_size" in record["error"]
+
+
+@pytest.mark.parametrize("code,status", [(143, "interrupted"), (-1, "interrupted"), (1, "failed"), (2, "failed")])
+def test_an_exit_from_outside_records_interrupted_and_any_other_exit_failed(tmp_path: Path, code, status) -> None:
+    """SIGTERM (143) and submitit's requeue of a preempted SLURM job (``sys.exit(-1)`` in its signal handler) are
+    not the run's failure: ``metrics.json`` says interrupted until the next attempt rewrites it."""
+    from types import SimpleNamespace
+
+    from longseq.report.outcome import records_run_outcome
+
+    def stopped(cfg):
+        raise SystemExit(code)
+
+    with pytest.raises(SystemExit):
+        records_run_outcome(stopped)(SimpleNamespace(paths=SimpleNamespace(output_dir=str(tmp_path))))
+    record = json.loads((tmp_path / "metrics.json").read_text())
+    assert record["status"] == status and record["error"] == f"SystemExit: {code}"

@@ -50,11 +50,16 @@ def write_run_metrics(output_dir: str | Path, metrics: Mapping[str, Any] | None,
     return path
 
 
+# SystemExit codes of a run stopped from outside, not by its own failure: 143 is SIGTERM; -1 is submitit's exit after
+# its signal handler requeued a preempted or timed-out SLURM job (the next attempt resumes in place and rewrites this)
+STOPPED_FROM_OUTSIDE = (143, -1)
+
+
 def records_run_outcome(train: Callable[[Any], dict[str, Any]]) -> Callable[[Any], dict[str, Any]]:
     """Decorate ``train(cfg)`` so that its run directory (``cfg.paths.output_dir``) ends with ``metrics.json``.
 
-    The metrics are those ``train`` returns; an exception is recorded (status ``failed``, or ``interrupted``
-    for the SIGTERM exit 143) and re-raised unchanged.
+    The metrics are those ``train`` returns; an exception is recorded (status ``failed``, or ``interrupted`` for
+    the exits of ``STOPPED_FROM_OUTSIDE``) and re-raised unchanged.
     """
 
     @functools.wraps(train)
@@ -64,7 +69,7 @@ def records_run_outcome(train: Callable[[Any], dict[str, Any]]) -> Callable[[Any
             metrics = train(cfg)
         except SystemExit as stop:
             if output_dir.is_dir():
-                status = INTERRUPTED if stop.code == 143 else FAILED
+                status = INTERRUPTED if stop.code in STOPPED_FROM_OUTSIDE else FAILED
                 write_run_metrics(output_dir, None, status, error=f"SystemExit: {stop.code}")
             raise
         except BaseException as error:
