@@ -242,11 +242,23 @@ class NativeSparseAttention(BlockGrid, Attention):
         parts.append(grouped_attention(qs, k, v, members, member_ok, chosen, ok & ~forced, dropout=dropout,
                                        fused=fused))
         out_s = merge_parts(parts)[0]
-        back, ahead = self.reach(L)
         if self.causal and self.window == m and not dropout:
             band = torch.ones(m, m, dtype=torch.bool, device=qs.device).triu(1).view(1, 1, 1, m, m)  # j > i - m
             return out_s, merge_parts([own, block_attention(qs, k, v, m, band, 0.0, fused, shift=1)])[0]
-        return out_s, self.window_attention(qs, k, v, None, back, ahead, dropout, fused)
+        return out_s, self.window_attention(qs, k, v, None, *self.reach(L), dropout, fused)
+
+    def padded_selection_and_window(self, qs, k, v, real, chosen, ok, m: int, dropout: float, fused: bool):
+        """The selection and window branches under key padding ``(out_s, out_w)``: every chosen block as tiled
+        (query, block) pairs (causal: band-limited to the past), a query left without a real key falls back to its
+        unpadded own block; the window's neighbouring blocks the same way (``window_attention``)."""
+        B, _, L, _ = qs.shape
+        members = torch.arange(L, device=qs.device).view(-1, m)
+        causal = (L, 0) if self.causal else None
+        out_s, lse = grouped_attention(qs, k, v, members, real.view(B, -1, m), chosen, ok, causal, dropout=dropout,
+                                       fused=fused)
+        own = block_attention(qs, k, v, m, full_mask(m, self.causal, qs.device).view(1, 1, 1, m, m), dropout, fused)
+        out_s = torch.where((lse > NEG_INF).unsqueeze(-1), out_s, own[0])  # rule 3: the unpadded own block
+        return out_s, self.window_attention(qs, k, v, real, *self.reach(L), dropout, fused)
 
     def window_attention(self, qs, k, v, real, back: int, ahead: int, dropout: float, fused: bool) -> torch.Tensor:
         """The window branch of ``forward``: positions in blocks of ``b = max(back, ahead, 1)`` (the last one padded),
@@ -334,24 +346,13 @@ class NativeSparseAttention(BlockGrid, Attention):
             logits = (qs @ k_c.transpose(-1, -2)).masked_fill(~compressed_ok, NEG_INF)
             out_c = self.weight_dropout(logits.softmax(-1).nan_to_num(0.0)) @ v_c
 
-        # selection: the n best selection blocks at full resolution (causal: up to self), (query, block) pairs tiled
+        # selection: the n best selection blocks at full resolution (causal: up to self); window: the last w keys
         occupied = None if real is None else real.view(B, 1, 1, S, m).any(-1)
         chosen, ok = self.choose(qs, k_c, compressed_ok, pos, S, occupied)
         if real is None:
             out_s, out_w = self.unpadded_selection_and_window(qs, k, v, chosen, ok, m, drop, fused)
-            gates = self.gate_values(q, has_compressed)
-            return gates[..., :1] * out_c + gates[..., 1:2] * out_s + gates[..., 2:] * out_w
-        members = pos.view(S, m)
-        causal = (L, 0) if self.causal else None
-        out_s, lse = grouped_attention(qs, k, v, members, real.view(B, S, m), chosen, ok, causal, dropout=drop,
-                                       fused=fused)
-        own = block_attention(qs, k, v, m, full_mask(m, self.causal, q.device).view(1, 1, 1, m, m), drop, fused)[0]
-        out_s = torch.where((lse > NEG_INF).unsqueeze(-1), out_s, own)  # rule 3: the unpadded own block
-
-        # window: blocks of the window's reach, each query against its own and neighbouring blocks, band-masked
-        back, ahead = self.reach(L)
-        out_w = self.window_attention(qs, k, v, real, back, ahead, drop, fused)
-
+        else:
+            out_s, out_w = self.padded_selection_and_window(qs, k, v, real, chosen, ok, m, drop, fused)
         gates = self.gate_values(q, has_compressed)
         return gates[..., :1] * out_c + gates[..., 1:2] * out_s + gates[..., 2:] * out_w
 
