@@ -244,14 +244,15 @@ def study_attentions() -> list[str]:
 
 def test_study_attentions_exist_and_build_at_both_lengths(tmp_path):
     """Every attention of the sweep is registered, gets its searched learning rate from the table, and builds
-    the study's model at L = 256 and 1,024 (a geometry the partition cannot tile would fail here, not in job 97)."""
+    the study's model at both lengths, recall/mqar's 256 and recall/mqar_long's 512 (a geometry the partition cannot
+    tile would fail here, not in job 97)."""
     names = study_attentions()
     assert set(names) <= set(ATTENTION_REGISTRY) and len(names) == len(set(names))
     assert {"full", "local", "combiner_fixed", "combiner_axial", "linear", "performer", "routing"} <= set(names)
-    for length in (256, 1024):
+    for experiment, length in (("recall/mqar", 256), ("recall/mqar_long", 512)):
         for name in names:
-            cfg = compose_config(["experiment=recall/mqar", f"attention={name}", f"task.seq_len={length}"],
-                                 tmp_path, fast=False)
+            cfg = compose_config([f"experiment={experiment}", f"attention={name}"], tmp_path, fast=False)
+            assert cfg.task.seq_len == length and cfg.task.vocab_size == length + 256
             assert cfg.optimizer.lr == cfg.recall_lr[name] and cfg.task.batch_size == 8192 // length
             module = build_module(cfg)
             assert module.net.blocks[0].attn.attention.name == name and module.net.blocks[0].short_conv is not None
@@ -292,7 +293,7 @@ def test_study_plan_status_and_lr_pick(tmp_path):
 
     n = len(study_attentions())
     stages = {stage: study.stage_jobs(stage, tmp_path) for stage in study.STAGES["mqar"]}
-    assert [len(stages[s]) for s in study.STAGES["mqar"]] == [3 * n, 9 * n, 3 * n]
+    assert [len(stages[s]) for s in study.STAGES["mqar"]] == [3 * n, 3 * n, 2 * n, 6 * 3 * 2]  # seeds: 6 headline
     assert len(study.stage_jobs("recall/needle", tmp_path)) == 2 * n
     dirs = [j.directory for jobs in stages.values() for j in jobs]
     assert len(set(dirs)) == len(dirs)
@@ -323,7 +324,7 @@ def test_study_figure_has_one_panel_per_length(tmp_path):
     from longseq.report.recall_study import draw_figure
 
     table = pd.DataFrame([{"attention": a, "task.seq_len": str(L), "task.num_pairs": str(D), "mean": m, "std": 0.01}
-                          for a, m in (("full", 0.9), ("local", 0.1)) for L in (256, 1024) for D in (8, 32, 64)])
+                          for a, m in (("full", 0.9), ("local", 0.1)) for L in (256, 512) for D in (8, 32, 64)])
     path = draw_figure("mqar", table, tmp_path / "recall_mqar.png")
     width, height = Image.open(path).size
     assert width > 1.8 * height  # two panels side by side

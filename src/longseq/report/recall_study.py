@@ -42,7 +42,7 @@ import yaml
 from longseq.report.outcome import COMPLETED, FAILED, METRICS_FILE
 
 PROJECT_ROOT = Path(__file__).resolve().parents[3]  # train.py and conf/ live here
-STAGES = {"mqar": ["recall/mqar_lr", "recall/mqar", "recall/mqar_long"], "needle": ["recall/needle"]}
+STAGES = {"mqar": ["recall/mqar_lr", "recall/mqar", "recall/mqar_long", "recall/mqar_seeds"], "needle": ["recall/needle"]}
 LR_STAGE = "recall/mqar_lr"
 LR_KEY = "optimizer.lr"
 GROUP_BY = {"mqar": ["attention", "task.seq_len", "task.num_pairs"], "needle": ["attention", "task.seq_len"]}
