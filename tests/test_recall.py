@@ -317,6 +317,17 @@ def test_study_plan_status_and_lr_pick(tmp_path):
     assert study.print_status({"recall/mqar_lr": stages["recall/mqar_lr"]}) == 3 * n - 4
 
 
+def test_only_selects_attentions_and_settings(tmp_path):
+    from longseq.report import recall_study as study
+
+    jobs = study.stage_jobs("recall/needle", tmp_path)
+    assert {j.name for j in jobs if study.selected(j, "full,local")} == {
+        f"attention={a},task.seq_len={L},seed=1" for a in ("full", "local") for L in (256, 512)}
+    kept = [j for j in jobs if study.selected(j, "task.seq_len=256")]
+    assert len(kept) == len(study_attentions()) and all("task.seq_len=256" in j.overrides for j in kept)
+    assert [j.name for j in jobs if study.selected(j, "nsa, task.seq_len=512")] == ["attention=nsa,task.seq_len=512,seed=1"]
+
+
 def test_study_figure_has_one_panel_per_length(tmp_path):
     import pandas as pd
     from PIL import Image

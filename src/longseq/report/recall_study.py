@@ -130,6 +130,17 @@ def pick_lrs(jobs: list[Job]) -> dict[str, float]:
     return {attention: lr for attention, (_, _, lr) in best.items()}
 
 
+def selected(job: Job, only: str) -> bool:
+    """Whether ``job`` is among ``--only``'s entries: a bare name is an attention, ``key=value`` any swept setting;
+    a job is kept when, for every key the entries name, its value is one of those listed."""
+    wanted: dict[str, set[str]] = {}
+    for entry in (e.strip() for e in only.split(",") if e.strip()):
+        key, value = entry.split("=", 1) if "=" in entry else ("attention", entry)
+        wanted.setdefault(key.strip(), set()).add(value.strip())
+    values = dict(o.split("=", 1) for o in job.overrides)
+    return all(values.get(key) in allowed for key, allowed in wanted.items())
+
+
 def run_job(job: Job, threads: int, log_dir: Path, overrides: list[str]) -> str:
     """Run one job as ``train.py`` in its own directory (a leftover of an unfinished attempt is removed first)."""
     if job.directory.exists():
@@ -297,7 +308,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--figure", type=Path, help="also copy the figure here (e.g. docs/recall_mqar.png)")
     parser.add_argument("--lr-table", type=Path, default=PROJECT_ROOT / "logs" / "recall_mqar" / "study" / "lr_table.yaml",
                         help="needle: the MQAR search's table (default: the MQAR study's default root)")
-    parser.add_argument("--only", help="comma-separated attentions to run (default: every one of the sweep)")
+    parser.add_argument("--only", help="comma-separated attentions and/or key=value settings to run, e.g. "
+                                       "full,local or task.seq_len=256 (default: every job of the sweep)")
     return parser.parse_intermixed_args(argv)
 
 
@@ -309,8 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.status or args.report):
         lock = hold_study_lock(root)  # noqa: F841 - held until the process exits
     if args.only:
-        keep = {f"attention={a.strip()}" for a in args.only.split(",")}
-        stages = {s: [j for j in jobs if keep & set(j.overrides)] for s, jobs in stages.items()}
+        stages = {s: [j for j in jobs if selected(j, args.only)] for s, jobs in stages.items()}
     if args.status:
         left = print_status(stages)
         print(f"{left} job(s) left; run: python -m longseq.report.recall_study {args.task}")
