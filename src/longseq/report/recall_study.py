@@ -249,9 +249,12 @@ def draw_figure(task: str, table, path: Path) -> Path | None:
         return None
     import matplotlib.pyplot as plt
 
+    from longseq.bench.report import curve_styles
+
     table = table.copy()
     table["L"] = table["task.seq_len"].astype(int)
     lengths = sorted(table["L"].unique())
+    styles = curve_styles(sorted(table["attention"].unique()), ["test"])  # the bench plot's: a hue per family
     fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths), 4.2), squeeze=False, sharey=True)
     for ax, length in zip(axes[0], lengths):
         part = table[table["L"] == length]
@@ -259,9 +262,8 @@ def draw_figure(task: str, table, path: Path) -> Path | None:
         part = part.assign(x=part[x].astype(float))
         for attention, rows in part.groupby("attention", sort=True):
             rows = rows.sort_values("x")
-            style = "-" if attention.startswith("combiner") else "--"
-            ax.errorbar(rows["x"], rows["mean"], yerr=rows["std"].fillna(0), label=attention, ls=style,
-                        marker="o", ms=3, capsize=2)
+            ax.errorbar(rows["x"], rows["mean"], yerr=rows["std"].fillna(0), label=attention, capsize=2,
+                        **styles[attention, "test"])
         if task == "mqar":
             ax.set_xscale("log", base=2)
         ax.set_xlabel("key-value pairs D" if task == "mqar" else "needle depth (fraction of the haystack)")
@@ -269,9 +271,10 @@ def draw_figure(task: str, table, path: Path) -> Path | None:
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("test accuracy (question positions)")
-    axes[0][-1].legend(fontsize=7, ncol=2, loc="best")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 
