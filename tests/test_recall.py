@@ -328,6 +328,21 @@ def test_only_selects_attentions_and_settings(tmp_path):
     assert [j.name for j in jobs if study.selected(j, "nsa, task.seq_len=512")] == ["attention=nsa,task.seq_len=512,seed=1"]
 
 
+def test_wide_table_has_a_row_per_attention_and_a_column_per_length_and_pairs():
+    import pandas as pd
+
+    from longseq.report.recall_study import wide_table
+
+    table = pd.DataFrame([
+        {"attention": "local", "task.seq_len": "256", "task.num_pairs": "8", "mean": 0.03, "std": float("nan"), "n": 1},
+        {"attention": "full", "task.seq_len": "256", "task.num_pairs": "8", "mean": 0.968, "std": 0.013, "n": 3},
+        {"attention": "full", "task.seq_len": "512", "task.num_pairs": "64", "mean": 0.994, "std": float("nan"), "n": 1},
+    ])
+    lines = wide_table(table).splitlines()
+    assert lines[0] == "| attention | L = 256, D = 8 | L = 512, D = 64 |"
+    assert lines[2:] == ["| full | 0.968 ± 0.013 (3) | 0.994 |", "| local | 0.030 |  |"]
+
+
 def test_study_figure_has_one_panel_per_length(tmp_path):
     import pandas as pd
     from PIL import Image

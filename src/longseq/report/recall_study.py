@@ -215,6 +215,8 @@ def write_report(task: str, root: Path, stages: dict[str, list[Job]], figure: Pa
     report.table.to_csv(root / "report.csv", index=False)
     not_started = [job for job in main if not job.directory.exists()]
     text = report.markdown(root=root)
+    if task == "mqar":  # one row per attention, one column per (L, D): the headline view
+        text = wide_table(report.table) + "\n\n" + text
     if not_started:
         text += f"\nNot started: {len(not_started)} job(s) (python -m longseq.report.recall_study {task}).\n"
     (root / "report.md").write_text(text)
@@ -227,6 +229,24 @@ def write_report(task: str, root: Path, stages: dict[str, list[Job]], figure: Pa
         figure.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, figure)
     print(f"wrote {root / 'report.md'}, {root / 'report.csv'}" + (f", {path}" if path else ""))
+
+
+def wide_table(table) -> str:
+    """Markdown: one row per attention (best mean first), one column per (L, D), cells ``mean ± std (n)`` of
+    ``longseq.report``'s aggregate (``mean`` alone for one seed)."""
+    from longseq.report.table import markdown_table
+
+    table = table.assign(L=table["task.seq_len"].astype(int), D=table["task.num_pairs"].astype(int))
+    columns = sorted({(L, D) for L, D in zip(table["L"], table["D"])})
+    order = table.groupby("attention")["mean"].mean().sort_values(ascending=False).index
+    rows = []
+    for attention in order:
+        cells = {(r.L, r.D): (f"{r.mean:.3f}" if r.n < 2 else f"{r.mean:.3f} ± {r.std:.3f} ({r.n})")
+                 for r in table[table["attention"] == attention].itertuples()}
+        rows.append([attention, *(cells.get(c, "") for c in columns)])
+    import pandas as pd
+
+    return markdown_table(pd.DataFrame(rows, columns=["attention", *(f"L = {L}, D = {D}" for L, D in columns)]))
 
 
 def by_bucket(runs: list, prefix: str, by: list[str], column: str):
