@@ -14,10 +14,8 @@ attend the kept keys at full resolution; never an ``L x L`` tensor.
 - ``ops.cpu.flash_lse`` (``FlashLse``): where the dispatch chose ``cpu_flash`` (``fused=True``; the variants declare
   ``CpuFlash(half_precision=False, compiles=False, key_padding=True)``: CPU, fp32/fp64, no dropout, eager) the
   block and tile products run as fused CPU flash calls whose log-sum-exp stays differentiable, so the parts still
-  merge exactly; elsewhere the explicit masked softmax. Measured (B=1, H=8, D=64, m=128, fp32, causal fwd+bwd,
-  L = 16384, one thread, CPU time, one process, interleaved, on a loaded machine): against the explicit path of
-  before, moba 0.36-0.50x, nsa 0.32-0.40x, combiner_select 0.49-0.57x the time; against ``full``: moba 0.20,
-  nsa 0.49, combiner_select 0.33.
+  merge exactly; elsewhere the explicit masked softmax. ``make bench`` (one quiet run, B = 1, H = 8, D = 64, fp32,
+  causal, fwd + bwd, L = 16384, block 128): moba 0.22, nsa 0.40, combiner_select 0.33 of ``full``'s time.
 """
 
 from __future__ import annotations
