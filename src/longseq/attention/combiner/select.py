@@ -150,8 +150,8 @@ class CombinerSelectAttention(PartitionDecoder, Attention):
         ``top_k`` regions (tiled by region, ``grouped_attention``) and the summaries of its other usable regions,
         merged by log-sum-exp. Regions: per query ``regions`` ``(B|1, H|1, T, Kr)`` ids and ``region_ok`` their
         usability, or ``regions`` None and ``region_ok`` ``(B|1, 1, T, R)`` a mask over every region (the dense form,
-        ``dense_regions``); ``members``/``member_ok`` ``(R, Km)`` / ``(B|1, 1, R, Km)``; ``fused``: the CPU engine's tiles (``cpu_flash``). Returns ``(out (B, H, T, Dv),
-        lse (B, H, T))``."""
+        ``dense_regions``); ``members``/``member_ok`` ``(R, Km)`` / ``(B|1, 1, R, Km)``; ``fused``: the CPU engine's
+        tiles (``cpu_flash``). Returns ``(out (B, H, T, Dv), lse (B, H, T))``."""
         B, H, T, _ = qs.shape
         drop = self.dropout if self.training else 0.0
         logits = self.region_logits(qs, k_bar, regions)
