@@ -87,7 +87,8 @@ def test_grouped_attention_equals_a_dense_softmax_over_the_chosen_groups(band):
     ok[0, 0, 0] = False  # nothing chosen
     q, k, v = random_qkv(B=B, H=H, L=G * Km, D=D, requires_grad=True)
     qs = q[:, :, :T]
-    out, lse = block_select.grouped_attention(qs, k, v, members, member_ok, chosen, ok, band, tile=3)
+    pairs = block_select.grouped_attention(qs, k, v, members, member_ok, chosen, ok, band, tile=3)
+    out, lse, _ = block_select.merge_parts([pairs])
     allowed = torch.zeros(B, H, T, G * Km, dtype=torch.bool)
     for b, h, t, s in ok.nonzero().tolist():
         group = chosen[b, h, t, s]

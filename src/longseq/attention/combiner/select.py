@@ -39,6 +39,7 @@ from longseq.attention.ops.block_select import (
     scoring,
     top_blocks,
 )
+from longseq.attention.ops.cpu.flash_lse import FlashInputs, flash_lse, pad_for_flash
 from longseq.attention.ops.decoding import PartitionDecoder, PartitionState, index_table
 from longseq.attention.ops.masks import NEG_INF
 from longseq.attention.ops.partition import Partition
@@ -138,27 +139,34 @@ class CombinerSelectAttention(PartitionDecoder, Attention):
         """The ``top_k`` usable regions per query by ``q . k_bar``: ``regions`` ``(B|1, H|1, T, Kr)`` ids, ``region_ok``
         their usability -> chosen slots ``(B, H, T, k)`` into ``regions`` and whether each is used. ``logits``: the
         joint softmax's own region logits, reused when already in the scoring dtype (fp32 / fp64, no autocast)."""
-        with scoring(qs):
+        with scoring(qs), torch.no_grad():
             dtype = score_dtype(qs)
             if logits is None or logits.dtype != dtype:
                 logits = self.region_logits(qs.to(dtype), k_bar.to(dtype), regions)
-            scores = logits.detach().masked_fill(~region_ok, NEG_INF)
+            scores = logits.masked_fill(~region_ok, NEG_INF)
         return top_blocks(scores, self.top_k)
 
-    def joint(self, qs, k, v, k_bar, v_bar, direct, regions, region_ok, members, member_ok, fused=False):
+    def joint(self, qs, k, v, k_bar, v_bar, direct, regions, region_ok, members, member_ok, flash=None):
         """One softmax per query over its direct keys (``direct``: that part's ``(out, lse)``), the members of its
         ``top_k`` regions (tiled by region, ``grouped_attention``) and the summaries of its other usable regions,
         merged by log-sum-exp. Regions: per query ``regions`` ``(B|1, H|1, T, Kr)`` ids and ``region_ok`` their
         usability, or ``regions`` None and ``region_ok`` ``(B|1, 1, T, R)`` a mask over every region (the dense form,
-        ``dense_regions``); ``members``/``member_ok`` ``(R, Km)`` / ``(B|1, 1, R, Km)``; ``fused``: the CPU engine's
-        tiles (``cpu_flash``). Returns ``(out (B, H, T, Dv), lse (B, H, T))``."""
+        ``dense_regions``); ``members``/``member_ok`` ``(R, Km)`` / ``(B|1, 1, R, Km)``; ``flash``: the padded inputs of the CPU
+        engine's flash calls (``cpu_flash``), or None: the tiles, and in the dense form the summaries too (one flash
+        call over every region's summary, masked: at L = 16384 fwd + bwd 0.2 s where the explicit masked softmax
+        and its products took 0.7 s). Returns the merged ``Part`` ``(out (B, H, T, Dv), lse (B, H, T))``."""
         B, H, T, _ = qs.shape
         drop = self.dropout if self.training else 0.0
-        logits = self.region_logits(qs, k_bar, regions)
+        flash_summaries = flash is not None and regions is None
+        logits = None if flash_summaries else self.region_logits(qs, k_bar, regions)
         slots, ok = self.choose(qs, k_bar, regions, region_ok, logits)
         chosen = slots if regions is None else regions.expand(B, H, T, -1).gather(-1, slots)  # (B, H, T, k) ids
-        picked = grouped_attention(qs, k, v, members, member_ok[:, 0], chosen, ok, dropout=drop, fused=fused)
-        replaced = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, slots, ok)
+        picked = grouped_attention(qs, k, v, members, member_ok[:, 0], chosen, ok, dropout=drop, flash=flash)
+        width = k_bar.shape[-2] if regions is None else regions.shape[-1]
+        replaced = torch.zeros(B, H, T, width, dtype=torch.bool, device=qs.device).scatter(-1, slots, ok)
+        if flash_summaries:
+            summaries = flash_lse(flash.q, pad_for_flash(k_bar, 0.0), pad_for_flash(v_bar, 1.0), region_ok & ~replaced)
+            return merge_parts([direct, picked, summaries])
         weights, lse = safe_softmax(logits, region_ok & ~replaced)
         if drop:
             weights = torch.nn.functional.dropout(weights, drop)
@@ -168,7 +176,7 @@ class CombinerSelectAttention(PartitionDecoder, Attention):
             summary = (weights.unsqueeze(-2).to(v_bar.dtype) @ gather_keys(v_bar, regions)).squeeze(-2)
         return merge_parts([direct, picked, (summary, lse)])
 
-    def direct_part(self, qs, k, v, direct, direct_ok, whole: bool = False, fused: bool = False):
+    def direct_part(self, qs, k, v, direct, direct_ok, whole: bool = False, flash=None):
         """Each query over its direct keys ``(out, lse)``, from its direct table ``(B|1, H|1, T, Kd)``: for the whole
         sequence (``whole``) of the fixed partition, the own segment as batched ``(m, m)`` products (the table lists
         the segment's keys in order); otherwise gathered per query."""
@@ -177,7 +185,7 @@ class CombinerSelectAttention(PartitionDecoder, Attention):
             m = self.inner.block_size
             B, H, L, _ = qs.shape
             allowed = direct_ok.reshape(direct_ok.shape[0], 1, L // m, m, -1)  # own segment in order: (.., m, m)
-            return block_attention(qs, k, v, m, allowed, drop, fused)
+            return block_attention(qs, k, v, m, allowed, drop, flash)
         weights, lse = safe_softmax((gather_keys(k, direct) @ qs.unsqueeze(-1)).squeeze(-1), direct_ok)
         if drop:
             weights = torch.nn.functional.dropout(weights, drop)
@@ -212,12 +220,12 @@ class CombinerSelectAttention(PartitionDecoder, Attention):
                 region_ok = region_ok & occupied[torch.arange(B, device=q.device).view(B, 1, 1, 1), 0, regions]
             unpadded = direct_ok
             direct_ok = direct_ok & real[:, direct[0, 0]].unsqueeze(1)
-        fused = self.backend_for(q, k, v, key_padding_mask) == "cpu_flash"
+        flash = FlashInputs.of(qs, k, v) if self.backend_for(q, k, v, key_padding_mask) == "cpu_flash" else None
         k_bar, v_bar = self.summaries(qs, k, v, members, member_ok)
-        out, lse = self.joint(qs, k, v, k_bar, v_bar, self.direct_part(qs, k, v, direct, direct_ok, True, fused),
-                              regions, region_ok, members, member_ok, fused)
+        out, lse, _ = self.joint(qs, k, v, k_bar, v_bar, self.direct_part(qs, k, v, direct, direct_ok, True, flash),
+                                 regions, region_ok, members, member_ok, flash)
         if key_padding_mask is not None:  # rule 3: a query without any real key: its unpadded direct keys
-            unpadded_out = self.direct_part(qs, k, v, direct, unpadded, True, fused)[0]
+            unpadded_out = self.direct_part(qs, k, v, direct, unpadded, True, flash)[0]
             out = torch.where((lse > NEG_INF).unsqueeze(-1), out, unpadded_out)
         return out
 

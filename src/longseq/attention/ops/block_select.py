@@ -21,10 +21,13 @@ attend the kept keys at full resolution; never an ``L x L`` tensor.
 from __future__ import annotations
 
 import contextlib
+import functools
+from typing import NamedTuple
 
 import torch
 
-from longseq.attention.ops.cpu.flash_lse import flash_lse, pad_for_flash
+from longseq.attention.ops.amp import autocast_function
+from longseq.attention.ops.cpu.flash_lse import FlashInputs, flash_lse
 from longseq.attention.ops.dispatch import CpuFlash
 from longseq.attention.ops.masks import NEG_INF
 
@@ -129,68 +132,137 @@ def safe_softmax(logits: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Ten
     return weights, lse.squeeze(-1).masked_fill(~has.squeeze(-1), NEG_INF)
 
 
-def merge_parts(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One softmax from parts computed apart: ``(out (..., Dv), lse (...))`` each, merged by their log-sum-exps.
-    A row where every part is empty gets out 0 and lse -inf."""
-    lses = torch.stack([lse for _, lse in parts], -1)  # (..., P)
-    has = lses.amax(-1, keepdim=True) > NEG_INF
-    total = torch.logsumexp(lses.masked_fill(~has, 0.0), -1, keepdim=True)
-    factors = (lses - total).exp().masked_fill(~has, 0.0)  # (..., P)
-    out = sum(factor.unsqueeze(-1) * o.to(parts[0][0].dtype) for factor, (o, _) in zip(factors.unbind(-1), parts))
-    return out, total.squeeze(-1).masked_fill(~has.squeeze(-1), NEG_INF)
+class Part(NamedTuple):
+    """One part of a joint softmax, computed apart: ``out`` ``(B, H, T - start, Dv)`` and ``lse`` ``(B, H, T -
+    start)`` of the queries from row ``start`` on; the rows before it have an empty part (no key)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    start: int = 0
+
+
+class Pairs(NamedTuple):
+    """The (query, group) pairs of ``grouped_attention`` as one part of a joint softmax: each tile row's ``out``
+    ``(P, Dv)`` and ``lse`` ``(P,)`` (-inf: a padding row), the flat ``(b, h, t)`` index of its query ``query``
+    ``(P,)``, and every query's log-sum-exp over its pairs ``total`` ``(B, H, T)`` (-inf: no pair)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    query: torch.Tensor
+    total: torch.Tensor
+
+
+def lse_factors(parts: list) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Each part's weight in the one softmax its parts make, ``exp(lse - total)``: ``(B, H, T - start)`` for a
+    ``Part``, ``(P,)`` for ``Pairs``; and the joint log-sum-exp ``total`` ``(B, H, T)``, -inf (factors 0) where every
+    part is empty. Small ``(B, H, T)`` tensors only; ``weighted_sum`` applies the factors."""
+    lses = torch.stack([p.total if isinstance(p, Pairs) else pad_front(p.lse.unsqueeze(-1), p.start, NEG_INF)[..., 0]
+                        for p in parts], -1)  # (B, H, T, P)
+    has = lses.amax(-1) > NEG_INF
+    total = torch.logsumexp(lses.masked_fill(~has.unsqueeze(-1), 0.0), -1).masked_fill(~has, 0.0)
+    factors = [(p.lse - total.reshape(-1)[p.query]).exp() if isinstance(p, Pairs)
+               else (p.lse - total[:, :, p.start:]).exp() for p in parts]
+    return factors, total.masked_fill(~has, NEG_INF)
+
+
+def merge_parts(parts: list) -> Part:
+    """One softmax from parts computed apart (``Part``s, ``Pairs`` or ``(out, lse)`` pairs), joined by their
+    log-sum-exps: ``Part(out (B, H, T, Dv), lse (B, H, T))``; a row where every part is empty gets out 0, lse -inf."""
+    parts = [p if isinstance(p, (Part, Pairs)) else Part(*p) for p in parts]
+    factors, total = lse_factors(parts)
+    return Part(weighted_sum([(f, p) for f, p in zip(factors, parts)], total.shape), total)
+
+
+def weighted_sum(terms: list, shape: tuple[int, int, int]) -> torch.Tensor:
+    """``sum_i c_i o_i`` over terms ``(c_i, part_i)``: a ``Part``'s rows ``(c (B, H, T - start), out)`` land on rows
+    ``start..T``, ``Pairs`` rows ``(c (P,), out (P, Dv))`` are added into their queries. Returns ``(B, H, T, Dv)``
+    (``shape`` = ``(B, H, T)``), in the promoted dtype of the terms. One pass per term forward and backward
+    (``WeightedSum``): the autograd sum of products took about 2x the time (its products and sums are separate
+    passes)."""
+    wheres = [p.query if isinstance(p, Pairs) else p.start for _, p in terms]
+    tensors = [t for c, p in terms for t in (c, p.out)]
+    return WeightedSum.apply(tuple(shape), wheres, *tensors)
+
+
+@autocast_function
+class WeightedSum(torch.autograd.Function):
+    """``weighted_sum``'s one pass per term: forward ``out[rows] += c * o`` (``addcmul_`` / ``index_add_``), backward
+    ``d o = c * g[rows]`` and ``d c = g[rows] . o`` (an ``einsum`` row dot product, 5x a multiply-and-sum here)."""
+
+    @staticmethod
+    def forward(ctx, shape, wheres, *tensors):
+        coefs, outs = tensors[0::2], tensors[1::2]
+        dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
+        out = outs[0].new_zeros(*shape, outs[0].shape[-1], dtype=dtype)
+        rows = out.view(-1, out.shape[-1])
+        for c, o, where in zip(coefs, outs, wheres):
+            if isinstance(where, int):
+                out[:, :, where:].addcmul_(c.unsqueeze(-1).to(dtype), o.to(dtype))
+            else:
+                rows.index_add_(0, where, o.to(dtype) * c.unsqueeze(-1).to(dtype))
+        ctx.wheres = wheres
+        ctx.save_for_backward(*tensors)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        tensors = ctx.saved_tensors
+        grads = []
+        for i, where in enumerate(ctx.wheres):
+            c, o = tensors[2 * i], tensors[2 * i + 1]
+            g = grad[:, :, where:] if isinstance(where, int) else grad.reshape(-1, grad.shape[-1]).index_select(0, where)
+            need_c, need_o = ctx.needs_input_grad[2 + 2 * i], ctx.needs_input_grad[3 + 2 * i]
+            grads.append(torch.einsum("...d,...d->...", g, o.to(g.dtype)).to(c.dtype) if need_c else None)
+            grads.append((g * c.unsqueeze(-1).to(g.dtype)).to(o.dtype) if need_o else None)
+        return None, None, *grads
 
 
 def block_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int,
-                    allowed: torch.Tensor, dropout: float = 0.0, fused: bool = False,
-                    shift: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                    allowed: torch.Tensor, dropout: float = 0.0, flash: FlashInputs | None = None,
+                    shift: int = 0) -> Part:
     """Each query against its own block of ``block_size`` keys (batched ``(m, m)`` products, no gather), or with
-    ``shift`` s > 0 the query block g against key block g - s (blocks g < s: an empty part, out 0 and lse -inf).
+    ``shift`` s > 0 the query block g against key block g - s (the rows of blocks g < s: an empty part).
     ``allowed`` ``(B|1, 1, n, m, m)`` bool (with a shift: ``(1, 1, 1, m, m)``, one mask for every block pair);
-    ``fused``: the CPU engine's flash calls (the dispatch chose ``cpu_flash``), else the explicit masked softmax.
-    Returns ``(out (B, H, L, Dv), lse (B, H, L))``."""
+    ``flash``: the padded inputs of the CPU engine's flash calls (the dispatch chose ``cpu_flash``), else the
+    explicit masked softmax. Returns the ``Part`` of rows ``s m..L``: ``out (B, H, L - s m, Dv)``, ``lse``."""
     B, H, L, D = qs.shape
     n, m = L // block_size, block_size
-    if shift:
-        if shift >= n:
-            return v.new_zeros(B, H, L, v.shape[-1]), qs.new_full((B, H, L), NEG_INF)
-        later = lambda x: x.reshape(B, H, n, m, x.shape[-1])[:, :, shift:].reshape(B, H, L - shift * m, -1)  # noqa: E731
-        earlier = lambda x: x[:, :, : L - shift * m]  # noqa: E731
-        out, lse = block_attention(later(qs), earlier(k), earlier(v), m, allowed, dropout, fused)
-        return pad_front(out, shift * m, 0.0), pad_front(lse.unsqueeze(-1), shift * m, NEG_INF).squeeze(-1)
-    if fused:  # the blocks as heads of one flash call: (B, H n, m, D)
-        fold = lambda x, value: pad_for_flash(x, value).view(B, H * n, m, D + 1)  # noqa: E731
+    rows = max(n - shift, 0)
+    if flash is not None:  # the blocks as the heads of one flash call: views (B H, rows, m, D + 1) of the inputs
+        blocks = lambda x, first: x.view(B * H, n, m, x.shape[-1])[:, first : first + rows]  # noqa: E731
         causal, mask = False, None
-        if allowed.shape[0] == 1 and allowed.shape[2] == 1:  # one mask for every block: causal or none, if it is
-            one = allowed[0, 0, 0]
+        one = allowed[0, 0, 0] if allowed.shape[0] == 1 and allowed.shape[2] == 1 else None
+        if one is None and allowed.shape[0] == 1 and bool((allowed == allowed[:, :, :1]).all()):
+            one = allowed[0, 0, 0]  # the same mask in every block (combiner_fixed's own segment): one (m, m) mask
+        if one is not None:  # causal or none, if it is
             causal = bool(torch.equal(one, torch.ones_like(one).tril()))
             mask = None if causal or bool(one.all()) else one.view(1, 1, m, m)
         else:
-            mask = allowed.expand(B, H, n, m, m).reshape(B, H * n, m, m)
-        out, lse = flash_lse(fold(qs, 0.0), fold(k, 0.0), fold(v, 1.0), mask, causal)
-        return out.reshape(B, H, L, -1), lse.reshape(B, H, L)
-    logits = qs.reshape(B, H, n, m, D) @ k.reshape(B, H, n, m, D).transpose(-1, -2)
+            mask = allowed.expand(B, H, n, m, m).reshape(B * H, n, m, m)
+        out, lse = flash_lse(blocks(flash.q, shift), blocks(flash.k, 0), blocks(flash.v, 0), mask, causal)
+        return Part(out.reshape(B, H, rows * m, -1), lse.reshape(B, H, rows * m), shift * m)
+    later = lambda x: x[:, :, shift * m :].reshape(B, H, rows, m, x.shape[-1])  # noqa: E731
+    earlier = lambda x: x[:, :, : rows * m].reshape(B, H, rows, m, x.shape[-1])  # noqa: E731
+    logits = later(qs) @ earlier(k).transpose(-1, -2)
     weights, lse = safe_softmax(logits, allowed)
     if dropout:
         weights = torch.nn.functional.dropout(weights, dropout)
-    out = weights.to(v.dtype) @ v.reshape(B, H, n, m, v.shape[-1])
-    return out.reshape(B, H, L, -1), lse.reshape(B, H, L)
+    out = weights.to(v.dtype) @ earlier(v)
+    return Part(out.reshape(B, H, rows * m, -1), lse.reshape(B, H, rows * m), shift * m)
 
 
 def sink_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, width: int, start: int,
-                   dropout: float = 0.0, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The queries from position ``start`` on against the first ``width`` keys (every one allowed); the queries
-    before ``start`` get an empty part. Returns ``(out (B, H, L, Dv), lse (B, H, L))``."""
-    q_late, k_first, v_first = qs[:, :, start:], k[:, :, :width], v[:, :, :width]
-    if fused:
-        out, lse = flash_lse(pad_for_flash(q_late, 0.0), pad_for_flash(k_first, 0.0), pad_for_flash(v_first, 1.0), None)
-    else:
-        logits = q_late @ k_first.transpose(-1, -2)
-        lse = torch.logsumexp(logits, -1)
-        weights = (logits - lse.unsqueeze(-1)).exp()
-        if dropout:
-            weights = torch.nn.functional.dropout(weights, dropout)
-        out = weights.to(v.dtype) @ v_first
-    return pad_front(out, start, 0.0), pad_front(lse.unsqueeze(-1), start, NEG_INF).squeeze(-1)
+                   dropout: float = 0.0, flash: FlashInputs | None = None) -> Part:
+    """The queries from position ``start`` on against the first ``width`` keys (every one allowed): their ``Part``
+    (the queries before ``start`` get an empty part)."""
+    if flash is not None:
+        return Part(*flash_lse(flash.q[:, :, start:], flash.k[:, :, :width], flash.v[:, :, :width], None), start)
+    logits = qs[:, :, start:] @ k[:, :, :width].transpose(-1, -2)
+    lse = torch.logsumexp(logits, -1)
+    weights = (logits - lse.unsqueeze(-1)).exp()
+    if dropout:
+        weights = torch.nn.functional.dropout(weights, dropout)
+    return Part(weights.to(v.dtype) @ v[:, :, :width], lse, start)
 
 
 def pad_front(x: torch.Tensor, rows: int, value: float) -> torch.Tensor:
@@ -201,7 +273,7 @@ def pad_front(x: torch.Tensor, rows: int, value: float) -> torch.Tensor:
 def grouped_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, members: torch.Tensor,
                       member_ok: torch.Tensor, chosen: torch.Tensor, ok: torch.Tensor,
                       band: tuple[int, int] | None = None, positions: torch.Tensor | None = None, dropout: float = 0.0,
-                      fused: bool = False, tile: int = PAIR_TILE) -> tuple[torch.Tensor, torch.Tensor]:
+                      flash: FlashInputs | None = None, tile: int = PAIR_TILE) -> Pairs:
     """Each query against the members of the groups it chose (blocks, regions), one softmax over all of them, without
     a per-query copy of the keys: the (query, group) pairs are sorted by group and cut into tiles of ``tile`` queries
     that share one group, so each tile is one ``(tile, Km) @ (Km, D)`` product (MoBA's varlen trick, padded).
@@ -212,8 +284,10 @@ def grouped_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, member
         chosen, ok: ``(B, H, T, S)`` the groups of each query and which of them are used.
         band: ``(back, ahead)``: keep only members j with ``p - back <= j <= p + ahead`` for the query's position p
             (``positions`` ``(T,)``, default ``arange(T)``); ``(T, 0)`` is causal, None no limit.
-        fused: the tiles as the CPU engine's flash calls (the dispatch chose ``cpu_flash``), else explicit.
-    Returns ``(out (B, H, T, Dv), lse (B, H, T))``; a query without any allowed key gets out 0, lse -inf.
+        flash: the padded inputs (q, k, v of this call) of the CPU engine's flash calls (the dispatch chose
+            ``cpu_flash``): the tiles as flash calls; None: explicit.
+    Returns the ``Pairs`` (``merge_parts([pairs])``: ``(out (B, H, T, Dv), lse (B, H, T))``); a query without any
+    allowed key gets out 0, lse -inf.
     """
     B, H, T, D = qs.shape
     S = chosen.shape[-1]
@@ -223,7 +297,8 @@ def grouped_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, member
     if positions is None:
         positions = torch.arange(T, device=device)
     if S == 0 or not bool(ok.any()):  # no pair: an empty part of the joint softmax
-        return v.new_zeros(B, H, T, Dv), qs.new_full((B, H, T), NEG_INF)
+        return Pairs(v.new_zeros(0, Dv), qs.new_zeros(0), torch.zeros(0, dtype=torch.long, device=device),
+                     qs.new_full((B, H, T), NEG_INF))
     with torch.no_grad():  # the tiling: index arithmetic only
         bh = torch.arange(B * H, device=device).view(B, H, 1, 1)
         group = (bh * G + chosen).flatten()  # composite (head, group) id of every pair
@@ -256,8 +331,8 @@ def grouped_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, member
                 allowed = allowed & (offset <= band[0]) & (offset >= -band[1])
             return allowed
 
-        full = None  # fused: tiles whose real rows may attend every key run without a mask (a row of padding
-        if fused:  # attends every key there, its result is dropped below)
+        full = None  # flash: tiles whose real rows may attend every key run without a mask (a row of padding
+        if flash is not None:  # attends every key there, its result is dropped below)
             full = tile_ok.all(-1)
             if band is not None:  # the band holds the tile when its nearest and farthest (p, j) pairs are in it
                 p = positions[query % T]
@@ -265,16 +340,24 @@ def grouped_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, member
                 p_hi = p.masked_fill(~row_ok, torch.iinfo(p.dtype).min).amax(-1)
                 full &= (p_hi - keys_at.amin(-1) <= band[0]) & (p_lo - keys_at.amax(-1) >= -band[1])
     # index_select: its backward is an index_add (an advanced index's is a slow accumulating index_put)
-    if fused:  # the tiles as the batch of flash calls, gathered from padded sources (``FlashLse``)
-        q_p = pad_for_flash(qs, 0.0).view(B * H * T, D + 1)
-        k_p, v_p = pad_for_flash(k, 0.0).view(-1, D + 1), pad_for_flash(v, 1.0).view(-1, D + 1)
+    if flash is not None:  # the tiles as the batch of flash calls, gathered from the padded inputs (``FlashLse``)
+        q_p, k_p, v_p = (x.reshape(-1, D + 1) for x in flash)
         key_rows = key_rows.view(n_tiles, Km)
 
+        # groups that are the consecutive blocks of Km keys (moba, nsa, fixed regions): a tile's keys are one block
+        blocks = members.numel() == k.shape[-2] and torch.equal(members.flatten(), torch.arange(G * Km, device=device))
+
         def flash_tiles(which: torch.Tensor | None, mask: torch.Tensor | None):
-            rows_q, rows_k = (query, key_rows) if which is None else (query[which], key_rows[which])
+            pick = (lambda x: x) if which is None else (lambda x: x[which])  # noqa: E731
+            rows_q = pick(query)
             n = rows_q.shape[0]
-            gather = lambda x, rows, width: x.index_select(0, rows.flatten()).view(n, 1, width, D + 1)  # noqa: E731
-            out, lse = flash_lse(gather(q_p, rows_q, tile), gather(k_p, rows_k, Km), gather(v_p, rows_k, Km),
+            if blocks:  # whole blocks copied, not rows: (B H G, Km, D + 1) views of the inputs
+                tiles = pick(tile_group)
+                keys = lambda x: x.reshape(B * H * G, Km, D + 1).index_select(0, tiles).view(n, 1, Km, D + 1)  # noqa: E731
+            else:
+                rows_k = pick(key_rows).flatten()
+                keys = lambda x: x.index_select(0, rows_k).view(n, 1, Km, D + 1)  # noqa: E731
+            out, lse = flash_lse(q_p.index_select(0, rows_q.flatten()).view(n, 1, tile, D + 1), keys(k_p), keys(v_p),
                                  None if mask is None else mask.unsqueeze(1))
             return out.squeeze(1), lse.squeeze(1)
 
@@ -298,24 +381,19 @@ def grouped_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, member
         if dropout:
             weights = torch.nn.functional.dropout(weights, dropout)
         out_t = weights.to(v_t.dtype) @ v_t  # (n_tiles, tile, Dv)
-    return merge_pairs(out_t.reshape(-1, Dv), lse.masked_fill(~row_ok, NEG_INF).flatten(), tile_pair.flatten(),
-                       (B, H, T, S))
+    return pairs_of(out_t.reshape(-1, Dv), lse.masked_fill(~row_ok, NEG_INF).flatten(), tile_pair.flatten(),
+                    (B, H, T, S))
 
 
-def merge_pairs(out: torch.Tensor, lse: torch.Tensor, pair: torch.Tensor, shape: tuple[int, int, int, int]):
-    """The pairs of each query joined into one softmax: ``out`` ``(P, Dv)`` and ``lse`` ``(P,)`` of tile rows, ``pair``
-    ``(P,)`` their flat ``(b, h, t, s)`` index in ``shape`` = ``(B, H, T, S)`` (-1: a padding row, its lse -inf).
-    Each row is weighted by ``exp(lse - the query's total)`` and added into its query (``index_add``: no ``(B H T S,
-    Dv)`` buffer of pair outputs, which cost moba 2.6 s instead of 2.4 s and nsa 6.2 s instead of 5.7 s, fwd + bwd at
-    L = 16384, one thread). Returns ``(out (B, H, T, Dv), lse (B, H, T))``; a query without a pair gets out 0 and lse
-    -inf."""
+def pairs_of(out: torch.Tensor, lse: torch.Tensor, pair: torch.Tensor, shape: tuple[int, int, int, int]) -> Pairs:
+    """``Pairs`` of tile rows: ``out`` ``(P, Dv)``, ``lse`` ``(P,)``, ``pair`` ``(P,)`` their flat ``(b, h, t, s)`` index
+    in ``shape`` = ``(B, H, T, S)`` (-1: a padding row, its lse -inf); each query's log-sum-exp over its pairs from
+    an ``(B H T, S)`` table of the rows' lses (no ``(B H T S, Dv)`` buffer of pair outputs: ``weighted_sum`` adds
+    the rows into their queries)."""
     B, H, T, S = shape
     n_pairs = B * H * T * S
     slot = pair.masked_fill(pair < 0, n_pairs)  # padding rows land in one extra slot, dropped
-    lse_pairs = lse.new_full((n_pairs + 1,), NEG_INF).index_copy(0, slot, lse)[:n_pairs].view(B * H * T, S)
+    lse_pairs = lse.new_full((n_pairs + 1,), NEG_INF).index_copy(0, slot, lse)[:n_pairs].view(B, H, T, S)
     has = lse_pairs.amax(-1) > NEG_INF
-    total = torch.logsumexp(lse_pairs.masked_fill(~has.unsqueeze(-1), 0.0), -1).masked_fill(~has, 0.0)
-    query = slot.clamp(max=n_pairs - 1) // S
-    weight = (lse - total[query]).exp()  # 0 for padding rows and rows without an allowed key
-    merged = out.new_zeros(B * H * T, out.shape[-1]).index_add(0, query, weight.unsqueeze(-1).to(out.dtype) * out)
-    return merged.view(B, H, T, -1), total.masked_fill(~has, NEG_INF).view(B, H, T)
+    total = torch.logsumexp(lse_pairs.masked_fill(~has.unsqueeze(-1), 0.0), -1).masked_fill(~has, NEG_INF)
+    return Pairs(out, lse, slot.clamp(max=n_pairs - 1) // S, total)

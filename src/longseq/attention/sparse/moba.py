@@ -37,6 +37,7 @@ from longseq.attention.ops.block_select import (
     scoring,
     top_blocks,
 )
+from longseq.attention.ops.cpu.flash_lse import FlashInputs
 from longseq.attention.ops.decoding import KVCache
 from longseq.attention.ops.geometry import BlockGrid
 from longseq.attention.ops.masks import NEG_INF, full_mask, other_blocks_mask
@@ -103,7 +104,7 @@ class MobaAttention(BlockGrid, Attention):
         qs = self.scale(q)
         drop = self.dropout if self.training else 0.0
         real = None if key_padding_mask is None else ~key_padding_mask.to(device=q.device, dtype=torch.bool)
-        fused = self.backend_for(q, k, v, key_padding_mask) == "cpu_flash"
+        flash = FlashInputs.of(qs, k, v) if self.backend_for(q, k, v, key_padding_mask) == "cpu_flash" else None
         k_bar, occupied = self.block_means(k, real)
         pos = torch.arange(L, device=q.device)
         choosable = other_blocks_mask(n, self.causal, q.device)[pos // m].view(1, 1, L, -1)
@@ -115,14 +116,15 @@ class MobaAttention(BlockGrid, Attention):
         members = pos.view(n, m)
         if real is None:
             member_ok = torch.ones(1, n, m, dtype=torch.bool, device=q.device)
-            own = block_attention(qs, k, v, m, within, drop, fused)
+            own = block_attention(qs, k, v, m, within, drop, flash)
         else:
             member_ok = real.view(B, n, m)
-            own = block_attention(qs, k, v, m, within & member_ok.view(B, 1, n, 1, m), drop, fused)
-        picked = grouped_attention(qs, k, v, members, member_ok, chosen, ok, dropout=drop, fused=fused)
-        out, lse = merge_parts([own, picked])
+            own = block_attention(qs, k, v, m, within & member_ok.view(B, 1, n, 1, m), drop, flash)
+        picked = grouped_attention(qs, k, v, members, member_ok, chosen, ok, dropout=drop, flash=flash)
+        out, lse, _ = merge_parts([own, picked])
         if real is not None:  # rule 3: a query without a real key falls back to its unpadded own block
-            out = torch.where((lse > NEG_INF).unsqueeze(-1), out, block_attention(qs, k, v, m, within, drop, fused)[0])
+            unpadded = block_attention(qs, k, v, m, within, drop, flash).out
+            out = torch.where((lse > NEG_INF).unsqueeze(-1), out, unpadded)
         return out
 
     def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

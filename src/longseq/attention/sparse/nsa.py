@@ -49,17 +49,21 @@ from torch import nn
 from longseq.attention.base import Attention, AttentionConfigError, check_int_knob
 from longseq.attention.ops.block_select import (
     CPU_FLASH,
+    Pairs,
+    Part,
     block_attention,
     block_table,
     gathered_attention,
     grouped_attention,
+    lse_factors,
     merge_parts,
     score_dtype,
     scoring,
     sink_attention,
     top_blocks,
+    weighted_sum,
 )
-from longseq.attention.ops.cpu.flash_lse import flash_lse, pad_for_flash
+from longseq.attention.ops.cpu.flash_lse import FlashInputs, flash_lse, pad_for_flash
 from longseq.attention.ops.decoding import KVCache
 from longseq.attention.ops.geometry import BlockGrid
 from longseq.attention.ops.masks import NEG_INF, full_mask
@@ -219,54 +223,74 @@ class NativeSparseAttention(BlockGrid, Attention):
         half = min(self.window // 2, length - 1)
         return half, half
 
-    def unpadded_selection_and_window(self, qs, k, v, chosen, ok, m: int, dropout: float, fused: bool):
-        """The selection and window branches without key padding ``(out_s, out_w)``, each ``(B, H, L, Dv)``. Every
-        query's forced blocks are always among its chosen ones here, so they run as whole-sequence products, parts
-        of the selection's one softmax: its own block (``block_attention``, causal: up to self), the
-        ``local_blocks - 1`` blocks before it (shifted block products) and block 0 for the queries past the local
-        blocks (``sink_attention``); only the free picks go through the tiled (query, block) pairs. A causal window
-        of one block (w = l', the default) is that own-block part plus a band of the block before, so it reuses the
-        part (not under dropout: the branches would share its mask); other windows: ``window_attention``."""
+    def unpadded_selection_and_window(self, qs, k, v, chosen, ok, m: int, dropout: float, flash):
+        """The selection and window branches without key padding ``(selection, window)``: each a list of parts of the
+        branch's one softmax (``mix`` joins them) or a ``(B, H, L, Dv)`` output. Every query's forced blocks are
+        always among its chosen ones here, so they run as whole-sequence products, parts of the selection's one
+        softmax: its own block (``block_attention``, causal: up to self), the ``local_blocks - 1`` blocks before it
+        (shifted block products) and block 0 for the queries past the local blocks (``sink_attention``); only the
+        free picks go through the tiled (query, block) pairs. A causal window of one block (w = l', the default) is
+        that own-block part plus a band of the block before, so it reuses the part (not under dropout: the branches
+        would share its mask); other windows: ``window_attention``."""
         B, H, L, _ = qs.shape
         n = L // m
         everything = torch.ones(1, 1, 1, m, m, dtype=torch.bool, device=qs.device)
-        own = block_attention(qs, k, v, m, full_mask(m, self.causal, qs.device).view(1, 1, 1, m, m), dropout, fused)
-        parts = [own] + [block_attention(qs, k, v, m, everything, dropout, fused, shift=j)
+        own = block_attention(qs, k, v, m, full_mask(m, self.causal, qs.device).view(1, 1, 1, m, m), dropout, flash)
+        parts = [own] + [block_attention(qs, k, v, m, everything, dropout, flash, shift=j)
                          for j in range(1, min(self.local_blocks, n))]
         if n > self.local_blocks:
-            parts.append(sink_attention(qs, k, v, m, self.local_blocks * m, dropout, fused))
+            parts.append(sink_attention(qs, k, v, m, self.local_blocks * m, dropout, flash))
         own_block = (torch.arange(L, device=qs.device) // m).view(1, 1, L, 1)
         forced = (chosen == 0) | ((chosen <= own_block) & (chosen > own_block - self.local_blocks))
         members = torch.arange(L, device=qs.device).view(n, m)
         member_ok = torch.ones(1, n, m, dtype=torch.bool, device=qs.device)
         parts.append(grouped_attention(qs, k, v, members, member_ok, chosen, ok & ~forced, dropout=dropout,
-                                       fused=fused))
-        out_s = merge_parts(parts)[0]
+                                       flash=flash))
         if self.causal and self.window == m and not dropout:
             band = torch.ones(m, m, dtype=torch.bool, device=qs.device).triu(1).view(1, 1, 1, m, m)  # j > i - m
-            return out_s, merge_parts([own, block_attention(qs, k, v, m, band, 0.0, fused, shift=1)])[0]
-        return out_s, self.window_attention(qs, k, v, None, *self.reach(L), dropout, fused)
+            return parts, [own, block_attention(qs, k, v, m, band, 0.0, flash, shift=1)]
+        return parts, self.window_attention(qs, k, v, None, *self.reach(L), dropout, flash)
 
-    def padded_selection_and_window(self, qs, k, v, real, chosen, ok, m: int, dropout: float, fused: bool):
-        """The selection and window branches under key padding ``(out_s, out_w)``: every chosen block as tiled
+    def padded_selection_and_window(self, qs, k, v, real, chosen, ok, m: int, dropout: float, flash):
+        """The selection and window branches under key padding, each ``(B, H, L, Dv)``: every chosen block as tiled
         (query, block) pairs (causal: band-limited to the past), a query left without a real key falls back to its
         unpadded own block; the window's neighbouring blocks the same way (``window_attention``)."""
         B, _, L, _ = qs.shape
         members = torch.arange(L, device=qs.device).view(-1, m)
         causal = (L, 0) if self.causal else None
-        out_s, lse = grouped_attention(qs, k, v, members, real.view(B, -1, m), chosen, ok, causal, dropout=dropout,
-                                       fused=fused)
-        own = block_attention(qs, k, v, m, full_mask(m, self.causal, qs.device).view(1, 1, 1, m, m), dropout, fused)
-        out_s = torch.where((lse > NEG_INF).unsqueeze(-1), out_s, own[0])  # rule 3: the unpadded own block
-        return out_s, self.window_attention(qs, k, v, real, *self.reach(L), dropout, fused)
+        out_s, lse, _ = merge_parts([grouped_attention(qs, k, v, members, real.view(B, -1, m), chosen, ok, causal,
+                                                       dropout=dropout, flash=flash)])
+        own = block_attention(qs, k, v, m, full_mask(m, self.causal, qs.device).view(1, 1, 1, m, m), dropout, flash)
+        out_s = torch.where((lse > NEG_INF).unsqueeze(-1), out_s, own.out)  # rule 3: the unpadded own block
+        return out_s, self.window_attention(qs, k, v, real, *self.reach(L), dropout, flash)
 
-    def window_attention(self, qs, k, v, real, back: int, ahead: int, dropout: float, fused: bool) -> torch.Tensor:
+    def mix(self, gates: torch.Tensor, branches: list) -> torch.Tensor:
+        """``g_cmp o_cmp + g_sel o_sel + g_win o_win`` from the gates ``(B, H, L, 3)`` and the three branches, each an
+        output ``(B, H, L, Dv)`` or a list of the parts of its one softmax, as one ``weighted_sum``: a part weighs its
+        branch's gate times its share of the branch's softmax (``lse_factors``); a part of two branches (the own
+        block) is one term."""
+        B, H, L, _ = gates.shape
+        terms: list = []
+        for gate, branch in zip(gates.unbind(-1), branches):
+            if isinstance(branch, torch.Tensor):
+                terms.append([gate, Part(branch, None)])
+                continue
+            for factor, part in zip(*lse_factors(branch)[:1], branch):
+                weight = factor * (gate.reshape(-1)[part.query] if isinstance(part, Pairs) else gate[:, :, part.start:])
+                same = [term for term in terms if term[1] is part]
+                if same:
+                    same[0][0] = same[0][0] + weight
+                else:
+                    terms.append([weight, part])
+        return weighted_sum([tuple(term) for term in terms], (B, H, L))
+
+    def window_attention(self, qs, k, v, real, back: int, ahead: int, dropout: float, flash) -> torch.Tensor:
         """The window branch of ``forward``: positions in blocks of ``b = max(back, ahead, 1)`` (the last one padded),
         each query paired with its own block and the neighbours its reach touches (``grouped_attention``);
         ``real`` ``(B, L)`` or None; a query whose window holds no real key falls back to its unpadded window."""
         B, H, L, _ = qs.shape
-        if real is None and fused:
-            return self.window_flash(qs, k, v, back, ahead)
+        if real is None and flash is not None:
+            return self.window_flash(flash, back, ahead)
         b = max(back, ahead, 1)
         n = -(-L // b)
         members = torch.arange(n * b, device=qs.device).view(n, b)
@@ -276,35 +300,35 @@ class NativeSparseAttention(BlockGrid, Attention):
         steps = torch.arange(-1 if back else 0, 2 if ahead else 1, device=qs.device)
         chosen = (own.view(L, 1) + steps).clamp(0, n - 1).view(1, 1, L, -1).expand(B, qs.shape[1], L, -1)
         ok = ((own.view(L, 1) + steps >= 0) & (own.view(L, 1) + steps < n)).view(1, 1, L, -1).expand_as(chosen)
+        pairs = lambda allowed: grouped_attention(qs, k, v, members, allowed, chosen, ok, (back, ahead),  # noqa: E731
+                                                  dropout=dropout, flash=flash)
         if real is None:
-            return grouped_attention(qs, k, v, members, inside, chosen, ok, (back, ahead), dropout=dropout,
-                                     fused=fused)[0]
-        out, lse = grouped_attention(qs, k, v, members, inside & real[:, members], chosen, ok, (back, ahead),
-                                     dropout=dropout, fused=fused)
-        unpadded = grouped_attention(qs, k, v, members, inside, chosen, ok, (back, ahead), dropout=dropout,
-                                     fused=fused)[0]
-        return torch.where((lse > NEG_INF).unsqueeze(-1), out, unpadded)
+            return merge_parts([pairs(inside)]).out
+        out, lse, _ = merge_parts([pairs(inside & real[:, members])])
+        return torch.where((lse > NEG_INF).unsqueeze(-1), out, merge_parts([pairs(inside)]).out)
 
-    def window_flash(self, qs, k, v, back: int, ahead: int) -> torch.Tensor:
+    def window_flash(self, flash, back: int, ahead: int) -> torch.Tensor:
         """The window branch without key padding as one fused flash call: queries in the grid's blocks of c, each
         block against the span of ``back + c + ahead`` keys around it (from the keys padded by back and ahead
         positions), under one band mask per block (keys outside the sequence masked)."""
-        B, H, L, D = qs.shape
+        B, H, L, D = flash.q.shape
+        D -= 1  # the padded inputs' extra column
         c = self.grid(L).n_cols
         n, span = L // c, back + c + ahead
-        t = torch.arange(span, device=qs.device)
-        rows = (torch.arange(n, device=qs.device).view(n, 1) * c + t).flatten()  # (n span) rows of the padded keys
-        r = torch.arange(c, device=qs.device).view(c, 1)
-        key_pos = (torch.arange(n, device=qs.device) * c - back).view(n, 1, 1) + t  # (n, 1, span)
+        device = flash.q.device
+        t = torch.arange(span, device=device)
+        rows = (torch.arange(n, device=device).view(n, 1) * c + t).flatten()  # (n span) rows of the padded keys
+        r = torch.arange(c, device=device).view(c, 1)
+        key_pos = (torch.arange(n, device=device) * c - back).view(n, 1, 1) + t  # (n, 1, span)
         allowed = (t >= r) & (t <= r + back + ahead) & (key_pos >= 0) & (key_pos < L)  # (n, c, span)
 
-        def keys(x, value):
-            x = pad_for_flash(x, value).view(B * H, L, D + 1)
+        def keys(x):
+            x = x.view(B * H, L, D + 1)
             x = torch.cat([x.new_zeros(B * H, back, D + 1), x, x.new_zeros(B * H, ahead, D + 1)], 1)
             return x.index_select(1, rows).view(B * H, n, span, D + 1)
 
-        q_b = pad_for_flash(qs, 0.0).view(B * H, n, c, D + 1)
-        out = flash_lse(q_b, keys(k, 0.0), keys(v, 1.0), allowed.unsqueeze(0))[0]
+        q_b = flash.q.view(B * H, n, c, D + 1)
+        out = flash_lse(q_b, keys(flash.k), keys(flash.v), allowed.unsqueeze(0))[0]
         return out.reshape(B, H, L, D)
 
     def window_table(self, positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -329,7 +353,7 @@ class NativeSparseAttention(BlockGrid, Attention):
         pos = torch.arange(L, device=q.device)
         drop = self.dropout if self.training else 0.0
         real = None if key_padding_mask is None else ~key_padding_mask.to(device=q.device, dtype=torch.bool)
-        fused = self.backend_for(q, k, v, key_padding_mask) == "cpu_flash"
+        flash = FlashInputs.of(qs, k, v) if self.backend_for(q, k, v, key_padding_mask) == "cpu_flash" else None
 
         # compression: blocks of l every d tokens, pooled; one dense softmax over the L / d pooled tokens
         C, l, d = self.n_compressed(L), self.compress_block, self.compress_stride
@@ -340,8 +364,8 @@ class NativeSparseAttention(BlockGrid, Attention):
         if real_c is not None:
             compressed_ok = compressed_ok & real_c.any(-1).unsqueeze(-2)
         has_compressed = compressed_ok.any(-1, keepdim=True)
-        if C and fused:  # one fused CPU flash call; a query without a usable block gets 0
-            out_c = flash_lse(pad_for_flash(qs, 0.0), pad_for_flash(k_c, 0.0), pad_for_flash(v_c, 1.0), compressed_ok)[0]
+        if C and flash is not None:  # one fused CPU flash call; a query without a usable block gets 0
+            out_c = flash_lse(flash.q, pad_for_flash(k_c, 0.0), pad_for_flash(v_c, 1.0), compressed_ok)[0]
         else:
             logits = (qs @ k_c.transpose(-1, -2)).masked_fill(~compressed_ok, NEG_INF)
             out_c = self.weight_dropout(logits.softmax(-1).nan_to_num(0.0)) @ v_c
@@ -350,11 +374,10 @@ class NativeSparseAttention(BlockGrid, Attention):
         occupied = None if real is None else real.view(B, 1, 1, S, m).any(-1)
         chosen, ok = self.choose(qs, k_c, compressed_ok, pos, S, occupied)
         if real is None:
-            out_s, out_w = self.unpadded_selection_and_window(qs, k, v, chosen, ok, m, drop, fused)
+            selection, window = self.unpadded_selection_and_window(qs, k, v, chosen, ok, m, drop, flash)
         else:
-            out_s, out_w = self.padded_selection_and_window(qs, k, v, real, chosen, ok, m, drop, fused)
-        gates = self.gate_values(q, has_compressed)
-        return gates[..., :1] * out_c + gates[..., 1:2] * out_s + gates[..., 2:] * out_w
+            selection, window = self.padded_selection_and_window(qs, k, v, real, chosen, ok, m, drop, flash)
+        return self.mix(self.gate_values(q, has_compressed), [out_c, selection, window])
 
     def branch_matrices(self, q: torch.Tensor, k: torch.Tensor, key_padding_mask: torch.Tensor | None = None):
         """Dense reference (small L): the gates ``(B, H, L, 3)`` and each branch's effective weights over the original

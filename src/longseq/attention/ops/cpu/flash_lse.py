@@ -4,6 +4,8 @@ parts computed apart still merge exactly by their log-sum-exps."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from longseq.attention.ops.amp import autocast_function
@@ -46,6 +48,19 @@ class FlashLse(torch.autograd.Function):
         grad = torch.cat([grad_out, grad_lse.unsqueeze(-1).to(grad_out.dtype)], -1)
         dq, dk, dv = flash_attention_backward(grad, q, k, v, out, lse, 0.0, ctx.causal, attn_mask=mask, scale=1.0)
         return dq, dk, dv, None, None, None
+
+
+class FlashInputs(NamedTuple):
+    """Scaled q, k and v padded once per forward for ``FlashLse`` (``pad_for_flash``), ``(B, H, L, D + 1)`` each: every
+    flash call of that forward reads views or gathers of them (padding per call copied the inputs once per call)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def of(cls, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> FlashInputs:
+        return cls(pad_for_flash(qs, 0.0), pad_for_flash(k, 0.0), pad_for_flash(v, 1.0))
 
 
 def pad_for_flash(x: torch.Tensor, value: float) -> torch.Tensor:
