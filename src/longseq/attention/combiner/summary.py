@@ -67,8 +67,8 @@ class RegionSummary(nn.Module):
         Key padding: padded positions stay out of the pool; a region without a real member pools to 0
         (its summary is masked by the caller).
         """
-        if bool(member.all()):  # no padding: no masked copy of the members
-            return features.amax(-2) if self.reduce == "max" else features.mean(-2)
+        if bool(member.all()):  # no padding: no masked copy (max, not amax: amax's backward took 2x the time here)
+            return features.max(-2).values if self.reduce == "max" else features.mean(-2)
         if self.reduce == "max":
             pooled = features.masked_fill(~member.unsqueeze(-1), NEG_INF).max(-2).values
             return pooled.masked_fill(~member.any(-1, keepdim=True), 0.0)
