@@ -34,8 +34,8 @@ class FlashLse(torch.autograd.Function):
         out, lse = flash_attention(q, k, v, 0.0, causal, attn_mask=mask, scale=1.0)
         if empty is not None:
             lse = lse.masked_fill(empty, 0.0)  # finite for the backward kernel; those rows' p are all 0 anyway
-        result = out[..., :-1].clone()
         out[..., -1] = 0.0  # the row sums of p (the ones column): 0 for the backward (see above)
+        result = out[..., :-1]  # a view: its values are not the column the line above sets
         ctx.save_for_backward(q, k, v, out, lse, mask, empty)
         ctx.causal = causal
         return result, lse if empty is None else lse.masked_fill(empty, NEG_INF)
