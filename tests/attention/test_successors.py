@@ -109,6 +109,48 @@ def test_grouped_attention_equals_a_dense_softmax_over_the_chosen_groups(band):
         torch.testing.assert_close(grad, reference, atol=1e-12, rtol=0)
 
 
+def test_merge_parts_of_row_ranges_and_pairs_is_one_softmax_over_their_keys():
+    """Parts on row ranges (``Part.start``) and tile rows added into their queries (``Pairs``) merge into the one
+    softmax over the union of their keys, outputs, log-sum-exps and gradients (``WeightedSum``'s own backward); a
+    row that no part reaches gets 0 and lse -inf."""
+    B, H, T, N, D = 1, 2, 6, 9, 4
+    q, k, v = random_qkv(B=B, H=H, L=N, D=D, requires_grad=True)
+    qs = q[:, :, :T]
+    logits = qs @ k.transpose(-1, -2)
+
+    def part(keys: slice, start: int) -> block_select.Part:
+        x = logits[:, :, start:, keys]
+        lse = torch.logsumexp(x, -1)
+        return block_select.Part((x - lse.unsqueeze(-1)).exp() @ v[:, :, keys], lse, start)
+
+    rows = torch.tensor([2, 4, 4, 7, 10])  # flat (h, t) queries of five tile rows; query 4 has two, one of them empty
+    keys = torch.tensor([6, 7, 8, 6, 8])
+    row_logits = logits.reshape(H * T, N)[rows, keys]
+    row_lse = row_logits.masked_fill(torch.tensor([False, False, True, False, False]), float("-inf"))
+    # each query has at most one used row here, so its log-sum-exp over its rows is their max
+    total = torch.full((H * T,), float("-inf"), dtype=torch.float64).index_reduce(0, rows, row_lse, "amax")
+    pairs = block_select.Pairs(v.reshape(H, N, D)[rows // T, keys], row_lse, rows, total.view(B, H, T))
+    out, lse, start = block_select.merge_parts([part(slice(0, 3), 2), part(slice(3, 6), 3), pairs])
+
+    allowed = torch.zeros(B, H, T, N, dtype=torch.bool)
+    allowed[:, :, 2:, 0:3] = True
+    allowed[:, :, 3:, 3:6] = True
+    for r, key, used in zip(rows.tolist(), keys.tolist(), row_lse.isfinite().tolist()):
+        allowed[0, r // T, r % T, key] |= used
+    has = allowed.any(-1)
+    masked = logits.masked_fill(~allowed, float("-inf"))
+    expected = torch.where(has.unsqueeze(-1), masked.softmax(-1).nan_to_num(0.0) @ v, torch.zeros(()))
+    assert start == 0 and (~has).any()
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(lse[has], torch.logsumexp(masked, -1)[has], atol=1e-12, rtol=0)
+    assert (lse[~has] == float("-inf")).all()
+    weight = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weight).sum() + lse[has].sum(), (q, k, v), retain_graph=True)
+    expected_grads = torch.autograd.grad((expected * weight).sum() + torch.logsumexp(masked, -1)[has].sum(), (q, k, v))
+    for grad, reference in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, reference, atol=1e-12, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_top_blocks_is_the_stable_sort_with_ties_infinities_and_signed_zeros(dtype):
     """Small k (argmax rounds) and large k (sort) both return the stable descending sort's first k: ties to the
