@@ -18,7 +18,8 @@ Fast path: index tables of the partition (direct keys, usable regions, region me
 gathered members (``RegionSummary.region_summaries``, the function decoding uses); three parts of the one softmax
 computed apart and merged by log-sum-exp (``ops.block_select``): the direct keys (fixed: the own segment as batched
 ``(m, m)`` products; other partitions: a per-query table), the chosen regions' members as (query, region) pairs in
-tiles of queries sharing one region, and the other usable summaries (fixed: one ``(L, n)`` product). Cost
+tiles of queries sharing one region, and the other usable summaries (fixed: one ``(L, n)`` product; on the CPU
+engine one flash call over every summary, the chosen and unusable ones masked). Cost
 O(L (Kd + k Km + Kr) D) for Kd direct keys, Km members per region and Kr usable regions per query (fixed: m, m, n),
 never an ``L x L`` tensor. No FlexAttention path yet.
 """

@@ -4,18 +4,21 @@ attend the kept keys at full resolution; never an ``L x L`` tensor.
 - ``top_blocks``: the one selection rule: the ``k`` highest scores per query, ties to the lower block index
   (a stable sort, so ``forward``, the dense ``attention_matrix`` and decoding pick the same blocks), blocks
   scored -inf never kept;
-- ``grouped_attention``: each query against the members of the groups (blocks, regions) it chose, the (query,
-  group) pairs sorted by group into tiles of queries sharing one group: small matrix products, no per-query copy
-  of the keys; ``block_attention``: each query against its own block; ``merge_parts``: parts computed apart joined
-  into one softmax by their log-sum-exps (``safe_softmax`` keeps empty rows NaN-free);
+- the parts of one softmax, computed apart: ``block_attention`` (each query against its own block, or the block
+  ``shift`` before it: a ``Part`` of the rows from ``start`` on), ``sink_attention`` (the first keys) and
+  ``grouped_attention`` (each query against the members of the groups it chose: the (query, group) pairs sorted by
+  group into tiles of queries sharing one group, small matrix products, no per-query copy of the keys; its tile
+  rows are ``Pairs``); ``merge_parts`` joins parts by their log-sum-exps (``lse_factors``) in one ``weighted_sum``
+  pass (``safe_softmax`` keeps empty rows NaN-free), and a variant with several softmaxes (``nsa``'s gated
+  branches) weighs all of their parts in one ``weighted_sum``;
 - ``block_table`` / ``gathered_attention``: a per-query key table, for decoding steps (a few queries);
 - ``scoring``: selection scores are computed in fp32 (fp64 stays fp64) with autocast off, so a bf16 run picks the
   blocks an fp32 run picks;
-- ``ops.cpu.flash_lse`` (``FlashLse``): where the dispatch chose ``cpu_flash`` (``fused=True``; the variants declare
+- ``ops.cpu.flash_lse`` (``FlashLse``): where the dispatch chose ``cpu_flash`` (the variants declare
   ``CpuFlash(half_precision=False, compiles=False, key_padding=True)``: CPU, fp32/fp64, no dropout, eager) the
-  block and tile products run as fused CPU flash calls whose log-sum-exp stays differentiable, so the parts still
-  merge exactly; elsewhere the explicit masked softmax. ``make bench`` (one quiet run, B = 1, H = 8, D = 64, fp32,
-  causal, fwd + bwd, L = 16384, block 128): moba 0.22, nsa 0.40, combiner_select 0.33 of ``full``'s time.
+  products run as fused CPU flash calls on q, k, v padded once per forward (``FlashInputs``; the blocks are views,
+  the tiles gathers), whose log-sum-exp stays differentiable, so the parts still merge exactly; elsewhere the
+  explicit masked softmax. Speed: README, "The 2025 successors" (``make bench``).
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ a selection or window branch left without a real key falls back to its unpadded 
 compression branch drops out of the gates. Decoding (causal): a KV cache plus every compression block's pooled key
 and value, computed once when the block completes; a step recomputes the n best blocks from them, as ``forward``.
 
-Cost O(L (L / d + n l' + w) D): the compression logits are dense over the L / d pooled tokens (as in the paper).
+Cost O(L (L / d + n l' + w) D): the compression logits are dense over the L / d pooled tokens (as in the paper;
+on the CPU engine, causal, in two query chunks, each over the tokens pooled by its end).
 Without key padding the forced selection blocks (own, local, first) are whole-sequence block products and only the
 free picks are (query, block) pairs in tiles of queries sharing one block (``ops.block_select.grouped_attention``);
 a causal window of one block reuses the own-block part (``unpadded_selection_and_window``). Under key padding every
