@@ -309,6 +309,18 @@ def test_nsa_forward_applies_its_matrix_with_real_choices(causal, knobs):
     assert torch.allclose(rows, torch.ones_like(rows)) == (knobs.get("gates", "normalized") == "normalized")
 
 
+@pytest.mark.parametrize("l,d,m", [(128, 64, 128), (32, 16, 64), (8, 8, 8), (12, 4, 8), (6, 3, 9), (6, 4, 8)])
+def test_nsa_importance_is_the_product_with_the_overlap_matrix(l, d, m):
+    """The strided sums of ``importance`` (the stride dividing both block lengths) and its fallback equal the
+    compression probabilities times the dense (C, S) overlap matrix, with zero columns past C (the scoring pads)."""
+    L = 8 * m
+    attn = build("nsa", True, seq_len=L, block_size=m, compress_block=l, compress_stride=d, select_blocks=4, window=m)
+    C, S = attn.n_compressed(L), L // m
+    probs = torch.nn.functional.pad(torch.rand(2, 3, 5, C, dtype=torch.float64), (0, 3))
+    expected = probs @ attn.overlap(C + 3, S, probs.device).double()
+    torch.testing.assert_close(attn.importance(probs, S), expected, atol=0, rtol=0)
+
+
 def test_nsa_selection_keeps_the_first_the_local_and_the_most_important_blocks():
     """Causal: importance of block s = compression probabilities of the compression blocks overlapping it; the
     query keeps block 0, its own and the previous block, and the best remaining one."""

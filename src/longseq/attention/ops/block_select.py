@@ -71,8 +71,9 @@ def _order_key(scores: torch.Tensor) -> torch.Tensor | None:
     if scores.dtype not in (torch.float32, torch.float64):
         return None
     itype = torch.int32 if scores.dtype == torch.float32 else torch.int64
-    bits = (scores + 0.0).view(itype)
-    return torch.where(bits >= 0, bits, bits ^ torch.iinfo(itype).max)
+    bits = (scores + 0.0).view(itype)  # a fresh tensor: the rest is in place
+    mirror = (bits >> (8 * bits.element_size() - 1)).bitwise_and_(torch.iinfo(itype).max)  # all value bits if < 0
+    return bits.bitwise_xor_(mirror)
 
 
 @contextlib.contextmanager
@@ -232,7 +233,6 @@ def block_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_si
     n, m = L // block_size, block_size
     rows = max(n - shift, 0)
     if flash is not None:  # the blocks as the heads of one flash call: views (B H, rows, m, D + 1) of the inputs
-        blocks = lambda x, first: x.view(B * H, n, m, x.shape[-1])[:, first : first + rows]  # noqa: E731
         causal, mask = False, None
         one = allowed[0, 0, 0] if allowed.shape[0] == 1 and allowed.shape[2] == 1 else None
         if one is None and allowed.shape[0] == 1 and bool((allowed == allowed[:, :, :1]).all()):
@@ -242,7 +242,8 @@ def block_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_si
             mask = None if causal or bool(one.all()) else one.view(1, 1, m, m)
         else:
             mask = allowed.expand(B, H, n, m, m).reshape(B * H, n, m, m)
-        out, lse = flash_lse(blocks(flash.q, shift), blocks(flash.k, 0), blocks(flash.v, 0), mask, causal)
+        out, lse = flash_lse(flash.blocks("q", m, shift, rows), flash.blocks("k", m, 0, rows), flash.blocks("v", m, 0, rows),
+                             mask, causal)
         return Part(out.reshape(B, H, rows * m, -1), lse.reshape(B, H, rows * m), shift * m)
     later = lambda x: x[:, :, shift * m :].reshape(B, H, rows, m, x.shape[-1])  # noqa: E731
     earlier = lambda x: x[:, :, : rows * m].reshape(B, H, rows, m, x.shape[-1])  # noqa: E731

@@ -218,9 +218,11 @@ class NativeSparseAttention(BlockGrid, Attention):
         ``occupied`` ``(B, 1, 1, S)`` (blocks with a real key) or None. Returns ``(blocks, ok)`` ``(B, H, T, n)``."""
         with scoring(qs), torch.no_grad():  # in place: no copies of the (T, C) scores
             dtype = score_dtype(qs)
-            logits = (qs.to(dtype) @ k_c.to(dtype).transpose(-1, -2)).masked_fill_(~compressed_ok, NEG_INF)
-            probs = logits.softmax(-1).nan_to_num_(0.0)  # a query without a compression block: all zero
-            importance = probs @ self.overlap(k_c.shape[-2], n_select, qs.device).to(dtype)
+            extra = -k_c.shape[-2] % 8  # masked zero keys up to a multiple of 8: the product took 0.7x the time
+            k_c = torch.nn.functional.pad(k_c.to(dtype), (0, 0, 0, extra))
+            allowed = torch.nn.functional.pad(compressed_ok, (0, extra), value=False)
+            logits = (qs.to(dtype) @ k_c.transpose(-1, -2)).masked_fill_(~allowed, NEG_INF)
+            importance = self.importance(logits.softmax(-1).nan_to_num_(0.0), n_select)  # no block: all zero
         own = positions // self.block_size
         s = torch.arange(n_select, device=qs.device)
         choosable = (s.view(1, -1) <= own.view(-1, 1)) if self.causal else torch.ones(
@@ -229,8 +231,26 @@ class NativeSparseAttention(BlockGrid, Attention):
                                           & (s.view(1, -1) > own.view(-1, 1) - self.local_blocks))
         if occupied is not None:
             choosable = choosable & occupied
-        score = importance.masked_fill(~choosable, NEG_INF).masked_fill(forced & choosable, float("inf"))
+        score = importance.masked_fill_(~choosable, NEG_INF).masked_fill_(forced & choosable, float("inf"))
         return top_blocks(score, self.select_blocks)
+
+    def importance(self, probs: torch.Tensor, n_select: int) -> torch.Tensor:
+        """Each selection block's importance ``(B, H, T, S)``: the sum of the compression probabilities ``probs``
+        ``(B, H, T, C)`` of the compression blocks overlapping it. Where the stride d divides l and l', block s
+        overlaps the w = (l + l') / d - 1 blocks from s l' / d - l / d + 1 on: w strided adds (0.55x the time of the
+        product with the dense ``overlap`` matrix at L = 16384), in a fixed order, the same for every caller."""
+        l, d, m = self.compress_block, self.compress_stride, self.block_size
+        C = probs.shape[-1]
+        if l % d or m % d:
+            return probs @ self.overlap(C, n_select, probs.device).to(probs.dtype)
+        r, w, first = m // d, (l + m) // d - 1, l // d - 1  # block s: compression blocks s r - first + j, j < w
+        total = probs.new_zeros(*probs.shape[:-1], n_select)
+        for j in range(w):
+            s0, s1 = max(0, -(-(first - j) // r)), min(n_select - 1, (C - 1 + first - j) // r)
+            if s0 <= s1:
+                c0 = s0 * r - first + j
+                total[..., s0 : s1 + 1] += probs[..., c0 : c0 + (s1 - s0) * r + 1 : r]
+        return total
 
     def reach(self, length: int) -> tuple[int, int]:
         """The window as ``(back, ahead)``: keys j with ``i - back <= j <= i + ahead``."""
@@ -312,9 +332,10 @@ class NativeSparseAttention(BlockGrid, Attention):
         B, H, L, _ = q_p.shape
         bounds = [L * i // COMPRESS_CHUNKS for i in range(COMPRESS_CHUNKS + 1)]
         outs = []
-        for a, b in zip(bounds, bounds[1:]):
+        chunks = q_p.split([b - a for a, b in zip(bounds, bounds[1:])], 2)  # split: one backward node, no slices
+        for a, b, q_chunk in zip(bounds, bounds[1:], chunks):
             c = self.n_compressed(b)  # the pooled tokens complete by the chunk's last query
-            outs.append(flash_lse(q_p[:, :, a:b], k_p[:, :, :c], v_p[:, :, :c], compressed_ok[..., a:b, :c])[0] if c
+            outs.append(flash_lse(q_chunk, k_p[:, :, :c], v_p[:, :, :c], compressed_ok[..., a:b, :c])[0] if c
                         else v_c.new_zeros(B, H, b - a, v_c.shape[-1]))
         return torch.cat(outs, 2)
 

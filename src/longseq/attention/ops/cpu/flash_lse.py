@@ -4,7 +4,7 @@ parts computed apart still merge exactly by their log-sum-exps."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,17 +50,33 @@ class FlashLse(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-class FlashInputs(NamedTuple):
+@dataclass(frozen=True, eq=False)
+class FlashInputs:
     """Scaled q, k and v padded once per forward for ``FlashLse`` (``pad_for_flash``), ``(B, H, L, D + 1)`` each: every
     flash call of that forward reads views or gathers of them (padding per call copied the inputs once per call)."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
+    views: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> FlashInputs:
         return cls(pad_for_flash(qs, 0.0), pad_for_flash(k, 0.0), pad_for_flash(v, 1.0))
+
+    def __iter__(self):
+        return iter((self.q, self.k, self.v))
+
+    def blocks(self, name: str, block_size: int, first: int, count: int) -> torch.Tensor:
+        """Blocks ``first .. first + count`` of ``block_size`` rows of input ``name`` (q, k or v) as the heads of one
+        flash call, ``(B H, count, block_size, D + 1)``: one view per request, so calls that share it (``nsa``'s
+        selection and window, each on the block before) hand autograd one slice to scatter back, not two."""
+        key = (name, block_size, first, count)
+        if key not in self.views:
+            x = getattr(self, name)
+            B, H, L, D = x.shape
+            self.views[key] = x.view(B * H, L // block_size, block_size, D)[:, first : first + count]
+        return self.views[key]
 
 
 def pad_for_flash(x: torch.Tensor, value: float) -> torch.Tensor:
