@@ -75,7 +75,9 @@ class FlashInputs:
         if key not in self.views:
             x = getattr(self, name)
             B, H, L, D = x.shape
-            self.views[key] = x.view(B * H, L // block_size, block_size, D)[:, first : first + count]
+            blocks = x.view(B * H, L // block_size, block_size, D)
+            # every block: the view itself (a slice, even of the whole range, scatters its gradient into zeros)
+            self.views[key] = blocks if (first, count) == (0, blocks.shape[1]) else blocks[:, first : first + count]
         return self.views[key]
 
 
