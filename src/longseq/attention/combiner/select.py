@@ -152,10 +152,11 @@ class CombinerSelectAttention(PartitionDecoder, Attention):
         ``top_k`` regions (tiled by region, ``grouped_attention``) and the summaries of its other usable regions,
         merged by log-sum-exp. Regions: per query ``regions`` ``(B|1, H|1, T, Kr)`` ids and ``region_ok`` their
         usability, or ``regions`` None and ``region_ok`` ``(B|1, 1, T, R)`` a mask over every region (the dense form,
-        ``dense_regions``); ``members``/``member_ok`` ``(R, Km)`` / ``(B|1, 1, R, Km)``; ``flash``: the padded inputs of the CPU
-        engine's flash calls (``cpu_flash``), or None: the tiles, and in the dense form the summaries too (one flash
-        call over every region's summary, masked: at L = 16384 fwd + bwd 0.2 s where the explicit masked softmax
-        and its products took 0.7 s). Returns the merged ``Part`` ``(out (B, H, T, Dv), lse (B, H, T))``."""
+        ``dense_regions``); ``members``/``member_ok`` ``(R, Km)`` / ``(B|1, 1, R, Km)``; ``flash``: the padded
+        inputs of the CPU engine's flash calls (``cpu_flash``), or None: the tiles, and in the dense form the
+        summaries too (one masked flash call over every region's summary, where the explicit path builds the
+        ``(T, R)`` logits, their masked softmax and two products). Returns the merged ``Part`` ``(out (B, H, T, Dv),
+        lse (B, H, T))``."""
         B, H, T, _ = qs.shape
         drop = self.dropout if self.training else 0.0
         flash_summaries = flash is not None and regions is None

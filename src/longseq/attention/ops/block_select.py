@@ -214,7 +214,8 @@ class WeightedSum(torch.autograd.Function):
         grads = []
         for i, where in enumerate(ctx.wheres):
             c, o = tensors[2 * i], tensors[2 * i + 1]
-            g = grad[:, :, where:] if isinstance(where, int) else grad.reshape(-1, grad.shape[-1]).index_select(0, where)
+            rows = grad.reshape(-1, grad.shape[-1])
+            g = grad[:, :, where:] if isinstance(where, int) else rows.index_select(0, where)
             need_c, need_o = ctx.needs_input_grad[2 + 2 * i], ctx.needs_input_grad[3 + 2 * i]
             grads.append(torch.einsum("...d,...d->...", g, o.to(g.dtype)).to(c.dtype) if need_c else None)
             grads.append((g * c.unsqueeze(-1).to(g.dtype)).to(o.dtype) if need_o else None)
@@ -242,8 +243,8 @@ def block_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_si
             mask = None if causal or bool(one.all()) else one.view(1, 1, m, m)
         else:
             mask = allowed.expand(B, H, n, m, m).reshape(B * H, n, m, m)
-        out, lse = flash_lse(flash.blocks("q", m, shift, rows), flash.blocks("k", m, 0, rows), flash.blocks("v", m, 0, rows),
-                             mask, causal)
+        q_b, k_b, v_b = (flash.blocks(name, m, first, rows) for name, first in (("q", shift), ("k", 0), ("v", 0)))
+        out, lse = flash_lse(q_b, k_b, v_b, mask, causal)
         return Part(out.reshape(B, H, rows * m, -1), lse.reshape(B, H, rows * m), shift * m)
     later = lambda x: x[:, :, shift * m :].reshape(B, H, rows, m, x.shape[-1])  # noqa: E731
     earlier = lambda x: x[:, :, : rows * m].reshape(B, H, rows, m, x.shape[-1])  # noqa: E731
@@ -357,7 +358,8 @@ def grouped_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, member
             n = rows_q.shape[0]
             if blocks:  # whole blocks copied, not rows: (B H G, Km, D + 1) views of the inputs
                 tiles = pick(tile_group)
-                keys = lambda x: x.reshape(B * H * G, Km, D + 1).index_select(0, tiles).view(n, 1, Km, D + 1)  # noqa: E731
+                keys = lambda x: x.reshape(B * H * G, Km, D + 1).index_select(0, tiles).view(  # noqa: E731
+                    n, 1, Km, D + 1)
             else:
                 rows_k = pick(key_rows).flatten()
                 keys = lambda x: x.index_select(0, rows_k).view(n, 1, Km, D + 1)  # noqa: E731
@@ -390,10 +392,10 @@ def grouped_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, member
 
 
 def pairs_of(out: torch.Tensor, lse: torch.Tensor, pair: torch.Tensor, shape: tuple[int, int, int, int]) -> Pairs:
-    """``Pairs`` of tile rows: ``out`` ``(P, Dv)``, ``lse`` ``(P,)``, ``pair`` ``(P,)`` their flat ``(b, h, t, s)`` index
-    in ``shape`` = ``(B, H, T, S)`` (-1: a padding row, its lse -inf); each query's log-sum-exp over its pairs from
-    an ``(B H T, S)`` table of the rows' lses (no ``(B H T S, Dv)`` buffer of pair outputs: ``weighted_sum`` adds
-    the rows into their queries)."""
+    """``Pairs`` of tile rows: ``out`` ``(P, Dv)``, ``lse`` ``(P,)``, ``pair`` ``(P,)`` their flat ``(b, h, t, s)``
+    index in ``shape`` = ``(B, H, T, S)`` (-1: a padding row, its lse -inf); each query's log-sum-exp over its pairs
+    from an ``(B H T, S)`` table of the rows' lses (no ``(B H T S, Dv)`` buffer of pair outputs: ``weighted_sum``
+    adds the rows into their queries)."""
     B, H, T, S = shape
     n_pairs = B * H * T * S
     slot = pair.masked_fill(pair < 0, n_pairs)  # padding rows land in one extra slot, dropped
