@@ -306,19 +306,18 @@ class NativeSparseAttention(BlockGrid, Attention):
         branch's gate times its share of the branch's softmax (``lse_factors``); a part of two branches (the own
         block) is one term."""
         B, H, L, _ = gates.shape
-        terms: list = []
+        weights: dict[int, torch.Tensor] = {}  # id(part) -> its weight, summed over the branches it is in
+        parts: dict[int, Part | Pairs] = {}
         for gate, branch in zip(gates.unbind(-1), branches):
             if isinstance(branch, torch.Tensor):
-                terms.append([gate, Part(branch, None)])
-                continue
-            for factor, part in zip(*lse_factors(branch)[:1], branch):
+                branch, factors = [Part(branch, None)], [1.0]
+            else:
+                factors = lse_factors(branch)[0]
+            for factor, part in zip(factors, branch):
                 weight = factor * (gate.reshape(-1)[part.query] if isinstance(part, Pairs) else gate[:, :, part.start:])
-                same = [term for term in terms if term[1] is part]
-                if same:
-                    same[0][0] = same[0][0] + weight
-                else:
-                    terms.append([weight, part])
-        return weighted_sum([tuple(term) for term in terms], (B, H, L))
+                weights[id(part)] = weights[id(part)] + weight if id(part) in weights else weight
+                parts[id(part)] = part
+        return weighted_sum([(weights[key], part) for key, part in parts.items()], (B, H, L))
 
     def compressed_flash(self, q_p: torch.Tensor, k_c: torch.Tensor, v_c: torch.Tensor,
                          compressed_ok: torch.Tensor) -> torch.Tensor:
