@@ -124,6 +124,9 @@ def gathered_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: 
 
 # -- the tiled path: (query, chosen group) pairs sorted by group, tiles of queries against one group's keys -----------
 PAIR_TILE = 128  # queries per tile: one (T, Km) @ (Km, D) product per tile (fused: 128 measured 0.77x the time of 32)
+# the fused path's tile sizes and their flash cost per tile row, fwd + bwd with 128 keys (CPU kernel, measured:
+# 353, 420, 549 ms per 2^18 rows): it takes the size whose padded rows cost least (few queries per group: smaller)
+FLASH_TILE_COST = {128: 1.0, 64: 1.19, 32: 1.55}
 
 
 def safe_softmax(logits: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,7 +281,7 @@ def pad_front(x: torch.Tensor, rows: int, value: float) -> torch.Tensor:
 def grouped_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, members: torch.Tensor,
                       member_ok: torch.Tensor, chosen: torch.Tensor, ok: torch.Tensor,
                       band: tuple[int, int] | None = None, positions: torch.Tensor | None = None, dropout: float = 0.0,
-                      flash: FlashInputs | None = None, tile: int = PAIR_TILE) -> Pairs:
+                      flash: FlashInputs | None = None, tile: int | None = None) -> Pairs:
     """Each query against the members of the groups it chose (blocks, regions), one softmax over all of them, without
     a per-query copy of the keys: the (query, group) pairs are sorted by group and cut into tiles of ``tile`` queries
     that share one group, so each tile is one ``(tile, Km) @ (Km, D)`` product (MoBA's varlen trick, padded).
@@ -291,6 +294,7 @@ def grouped_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, member
             (``positions`` ``(T,)``, default ``arange(T)``); ``(T, 0)`` is causal, None no limit.
         flash: the padded inputs (q, k, v of this call) of the CPU engine's flash calls (the dispatch chose
             ``cpu_flash``): the tiles as flash calls; None: explicit.
+        tile: queries per tile; None: ``PAIR_TILE``, or on the fused path the cheapest of ``FLASH_TILE_COST``.
     Returns the ``Pairs`` (``merge_parts([pairs])``: ``(out (B, H, T, Dv), lse (B, H, T))``); a query without any
     allowed key gets out 0, lse -inf.
     """
@@ -312,6 +316,9 @@ def grouped_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, member
         order = torch.argsort(group, stable=True)
         pair, group = pair[order], group[order]
         counts = torch.bincount(group, minlength=B * H * G)
+        if tile is None:
+            tile = PAIR_TILE if flash is None else min(
+                FLASH_TILE_COST, key=lambda t: FLASH_TILE_COST[t] * t * int(((counts + t - 1) // t).sum()))
         tiles = (counts + tile - 1) // tile
         first_tile = tiles.cumsum(0) - tiles
         rank = torch.arange(pair.numel(), device=device) - (counts.cumsum(0) - counts)[group]
