@@ -236,7 +236,7 @@ def block_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_si
     B, H, L, D = qs.shape
     n, m = L // block_size, block_size
     rows = max(n - shift, 0)
-    if flash is not None:  # the blocks as the heads of one flash call: views (B H, rows, m, D + 1) of the inputs
+    if flash is not None:  # the blocks as one flash call on views of the padded inputs (``FlashInputs.blocks``)
         causal, mask = False, None
         one = allowed[0, 0, 0] if allowed.shape[0] == 1 and allowed.shape[2] == 1 else None
         if one is None and allowed.shape[0] == 1 and bool((allowed == allowed[:, :, :1]).all()):
@@ -244,9 +244,9 @@ def block_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_si
         if one is not None:  # causal or none, if it is
             causal = bool(torch.equal(one, torch.ones_like(one).tril()))
             mask = None if causal or bool(one.all()) else one.view(1, 1, m, m)
-        else:
-            mask = allowed.expand(B, H, n, m, m).reshape(B * H, n, m, m)
         q_b, k_b, v_b = (flash.blocks(name, m, first, rows) for name, first in (("q", shift), ("k", 0), ("v", 0)))
+        if one is None:  # a mask per block (no shift here): laid out as the blocks are
+            mask = allowed.expand(B, H, n, m, m).reshape(*q_b.shape[:2], m, m)
         out, lse = flash_lse(q_b, k_b, v_b, mask, causal)
         return Part(out.reshape(B, H, rows * m, -1), lse.reshape(B, H, rows * m), shift * m)
     later = lambda x: x[:, :, shift * m :].reshape(B, H, rows, m, x.shape[-1])  # noqa: E731

@@ -68,16 +68,21 @@ class FlashInputs:
         return iter((self.q, self.k, self.v))
 
     def blocks(self, name: str, block_size: int, first: int, count: int) -> torch.Tensor:
-        """Blocks ``first .. first + count`` of ``block_size`` rows of input ``name`` (q, k or v) as the heads of one
-        flash call, ``(B H, count, block_size, D + 1)``: one view per request, so calls that share it (``nsa``'s
-        selection and window, each on the block before) hand autograd one slice to scatter back, not two."""
+        """Blocks ``first .. first + count`` of ``block_size`` rows of input ``name`` (q, k or v) for one flash call:
+        every block as the batch, ``(B H n, 1, block_size, D + 1)``, the kernel's own layout for its outputs and
+        gradients (as heads they were copied back); a range of blocks as heads, ``(B H, count, block_size, D + 1)``
+        (a range is no batch axis of a view, and a shifted copy as batch measured no faster). One view per
+        request: calls that share it (``nsa``'s selection and window on the block before) share its gradient
+        scatter."""
         key = (name, block_size, first, count)
         if key not in self.views:
             x = getattr(self, name)
             B, H, L, D = x.shape
-            blocks = x.view(B * H, L // block_size, block_size, D)
-            # every block: the view itself (a slice, even of the whole range, scatters its gradient into zeros)
-            self.views[key] = blocks if (first, count) == (0, blocks.shape[1]) else blocks[:, first : first + count]
+            n = L // block_size
+            if (first, count) == (0, n):
+                self.views[key] = x.view(B * H * n, 1, block_size, D)
+            else:
+                self.views[key] = x.view(B * H, n, block_size, D)[:, first : first + count]
         return self.views[key]
 
 
