@@ -93,10 +93,24 @@ def pad_for_flash(x: torch.Tensor, value: float) -> torch.Tensor:
 
 def flash_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
               causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``FlashLse`` of padded q, k, v (``pad_for_flash``) from a bool ``allowed`` ``(N|1, h|1, T, S)`` (True = may
-    attend) or None (every key)."""
+    """``FlashLse`` of padded q, k, v (``pad_for_flash``) ``(N, h, T|S, D + 1)`` from a bool ``allowed`` ``(N|1, h|1,
+    T, S)`` (True = may attend) or None (every key): ``(out (N, h, T, D), lse (N, h, T))``. Several heads run as the
+    batch (``(N h, 1, ...)`` views): the kernel lays its outputs and gradients out as (batch, rows, heads), so heads
+    came back strided and their gradients were copied."""
+    N, h = q.shape[:2]
+    if h > 1 and all(_foldable(x) for x in (q, k, v)):  # (a range of blocks as heads is not: it stays heads)
+        fold = lambda x: x.reshape(N * h, 1, *x.shape[2:])  # noqa: E731
+        if allowed is not None and allowed.shape[:2] != (1, 1):
+            allowed = fold(allowed.expand(N, h, *allowed.shape[2:]))
+        out, lse = flash_lse(fold(q), fold(k), fold(v), allowed, causal)
+        return out.view(N, h, *out.shape[2:]), lse.view(N, h, lse.shape[-1])
     if allowed is None:
         return FlashLse.apply(q, k, v, None, None, causal)
     mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, NEG_INF)
     empty = ~allowed.any(-1)
     return FlashLse.apply(q, k, v, mask, empty if bool(empty.any()) else None, causal)
+
+
+def _foldable(x: torch.Tensor) -> bool:
+    """Whether ``x``'s first two axes merge into one without a copy."""
+    return x.shape[0] == 1 or x.stride(0) == x.shape[1] * x.stride(1)
