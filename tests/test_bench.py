@@ -101,6 +101,33 @@ def test_isolated_cell_measures_time_and_peak_rss() -> None:
     assert 0.1 < result.peak_mem_mb < 100
 
 
+def test_heap_allocator_cell_reuses_freed_memory() -> None:
+    """``allocator=heap`` (in the cell's own process): the cell runs, and a second pass over tensors of more than
+    32 MiB faults in almost no fresh pages, where glibc's default maps each one afresh."""
+    spec = build_spec("full", 512, causal=True, n_heads=2, head_dim=16)
+    cell = CellSpec(attention="full", length=512, mode="fwd_bwd", kwargs=spec.kwargs, batch=1, heads=2,
+                    head_dim=16, dtype="float32", device="cpu", warmup=1, repeats=2, budget_s=60, threads=1,
+                    allocator="heap")
+    assert run_isolated(cell).status == "ok"
+    probe = ("import resource, torch\n"
+             "from longseq.bench.cell import keep_freed_memory\n"
+             "if HEAP: assert keep_freed_memory()\n"
+             "def faults():\n"
+             "    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+             "    for _ in range(4): torch.ones(40 * 2**20 // 4).sum()\n"
+             "    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before\n"
+             "faults(); print(faults())\n")
+    pages = {heap: int(subprocess.run([sys.executable, "-c", f"HEAP = {heap}\n" + probe], capture_output=True,
+                                      text=True, check=True).stdout) for heap in (False, True)}
+    assert pages[False] > 4 * 9000 and pages[True] < 1000, pages  # 40 MiB = 10240 pages of 4 KiB
+
+
+def test_unknown_allocator_is_refused_naming_the_key(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "longseq.bench", "allocator=jemalloc", f"out_dir={tmp_path}"],
+                          capture_output=True, text=True)
+    assert done.returncode == 1 and "allocator: 'jemalloc' unknown; valid: ['glibc', 'heap']" in done.stderr
+
+
 def test_first_warmup_over_budget_is_a_status_and_stops_longer_lengths(tmp_path: Path) -> None:
     from longseq.bench.run import run_benchmark
 

@@ -18,6 +18,7 @@ Peak memory, reported as the growth above what the inputs (q, k, v, output gradi
 
 from __future__ import annotations
 
+import ctypes
 import math
 import multiprocessing as mp
 import resource
@@ -52,6 +53,7 @@ class CellSpec:
     budget_s: float
     threads: int | None = None
     seed: int = 0
+    allocator: str = "glibc"
 
 
 @dataclass
@@ -138,6 +140,24 @@ def prime_runtime(device: torch.device, dtype: torch.dtype) -> None:
     _sync(device)
 
 
+# ``allocator``: glibc's malloc maps every block of 32 MiB or more afresh and unmaps it when freed, so each such
+# tensor is paid for again in page faults (at L = 16384, B1 H8 D64: 0.3 to 0.6 M faults, about 1 s of system time, per
+# fwd + bwd of moba, nsa or combiner_select; 0.04 M for full); ``heap`` keeps freed blocks for reuse, as a caching
+# allocator does (CUDA's, jemalloc, tcmalloc).
+ALLOCATORS = ("glibc", "heap")
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters
+
+
+def keep_freed_memory() -> bool:
+    """``allocator=heap``: glibc malloc serves large blocks from the heap and keeps freed memory for reuse (mallopt:
+    no mmap, no trimming) in this process from now on. False where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
+
 def measure_cell(spec: CellSpec, report: Callable[[str, Any], None] = lambda kind, payload: None) -> CellResult:
     """Build the attention and inputs, time it and measure its peak memory -> ``CellResult``.
 
@@ -148,6 +168,8 @@ def measure_cell(spec: CellSpec, report: Callable[[str, Any], None] = lambda kin
 
     if spec.threads:
         torch.set_num_threads(spec.threads)
+    if spec.allocator == "heap" and not keep_freed_memory():
+        return CellResult("error", note="allocator=heap: this C library is not glibc (no mallopt)")
     torch.manual_seed(spec.seed)
     device = torch.device(spec.device)
     dtype = DTYPES[spec.dtype]

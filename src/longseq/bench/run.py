@@ -53,6 +53,8 @@ def validate(cfg: DictConfig) -> None:
         raise SystemExit("repeats must be >= 1 (>= 5 for quoted numbers) and budget_s > 0")
     if cfg.unsupported_causal not in ("fallback", "skip"):
         raise SystemExit("unsupported_causal: valid values are fallback, skip")
+    if cfg.allocator not in cells.ALLOCATORS:
+        raise SystemExit(f"allocator: '{cfg.allocator}' unknown; valid: {list(cells.ALLOCATORS)}")
 
 
 BUSY_CORES = 0.25  # CPU used by other processes (in cores) above which timings are not trustworthy
@@ -95,6 +97,7 @@ def run_benchmark(cfg: DictConfig, console: Console | None = None) -> Path:
     memory_method = cells.cpu_memory_method() if device == "cpu" else "cuda"
     env = report.environment(device, cfg.threads, memory_method, isolate)
     env["isolated_cells"] = isolate
+    env["allocator"] = cfg.allocator
     env["other_cpu_load_before"] = round(other_cpu_load(), 2)
     report.write_json(env, out / "env.json")
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
@@ -129,7 +132,7 @@ def run_benchmark(cfg: DictConfig, console: Console | None = None) -> Path:
                         attention=spec.registry_name, length=length, mode=mode, kwargs=spec.kwargs, batch=cfg.batch,
                         heads=cfg.heads, head_dim=cfg.head_dim, dtype=cfg.dtype, device=device,
                         warmup=cfg.warmup, repeats=cfg.repeats, budget_s=float(cfg.budget_s),
-                        threads=cfg.threads, seed=cfg.seed,
+                        threads=cfg.threads, seed=cfg.seed, allocator=cfg.allocator,
                     )
                     result = cells.run_isolated(cell_spec) if isolate else cells.measure_cell(cell_spec)
                     if result.status in ("oom", "over_budget") and cfg.skip_longer_after_failure:
