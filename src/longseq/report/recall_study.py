@@ -234,6 +234,8 @@ def write_report(task: str, root: Path, stages: dict[str, list[Job]], figure: Pa
 def wide_table(table) -> str:
     """Markdown: one row per attention (best mean first), one column per (L, D), cells ``mean ± std (n)`` of
     ``longseq.report``'s aggregate (``mean`` alone for one seed)."""
+    import pandas as pd
+
     from longseq.report.table import markdown_table
 
     table = table.assign(L=table["task.seq_len"].astype(int), D=table["task.num_pairs"].astype(int))
@@ -244,8 +246,6 @@ def wide_table(table) -> str:
         cells = {(r.L, r.D): (f"{r.mean:.3f}" if r.n < 2 else f"{r.mean:.3f} ± {r.std:.3f} ({r.n})")
                  for r in table[table["attention"] == attention].itertuples()}
         rows.append([attention, *(cells.get(c, "") for c in columns)])
-    import pandas as pd
-
     return markdown_table(pd.DataFrame(rows, columns=["attention", *(f"L = {L}, D = {D}" for L, D in columns)]))
 
 

@@ -32,6 +32,7 @@ from longseq.attention.base import Attention, AttentionConfigError, check_int_kn
 from longseq.attention.ops.block_select import (
     CPU_FLASH,
     block_attention,
+    flash_inputs,
     gather_keys,
     grouped_attention,
     merge_parts,
@@ -40,7 +41,7 @@ from longseq.attention.ops.block_select import (
     scoring,
     top_blocks,
 )
-from longseq.attention.ops.cpu.flash_lse import FlashInputs, flash_lse, pad_for_flash
+from longseq.attention.ops.cpu.flash_lse import flash_lse, pad_for_flash
 from longseq.attention.ops.decoding import PartitionDecoder, PartitionState, index_table
 from longseq.attention.ops.masks import NEG_INF
 from longseq.attention.ops.partition import Partition
@@ -222,7 +223,7 @@ class CombinerSelectAttention(PartitionDecoder, Attention):
                 region_ok = region_ok & occupied[torch.arange(B, device=q.device).view(B, 1, 1, 1), 0, regions]
             unpadded = direct_ok
             direct_ok = direct_ok & real[:, direct[0, 0]].unsqueeze(1)
-        flash = FlashInputs.of(qs, k, v) if self.backend_for(q, k, v, key_padding_mask) == "cpu_flash" else None
+        flash = flash_inputs(self, q, k, v, qs, key_padding_mask)
         k_bar, v_bar = self.summaries(qs, k, v, members, member_ok)
         out, lse, _ = self.joint(qs, k, v, k_bar, v_bar, self.direct_part(qs, k, v, direct, direct_ok, True, flash),
                                  regions, region_ok, members, member_ok, flash)

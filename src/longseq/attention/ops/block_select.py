@@ -39,6 +39,15 @@ from longseq.attention.ops.masks import NEG_INF
 CPU_FLASH = CpuFlash(key_padding=True, half_precision=False, compiles=False)
 
 
+def flash_inputs(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qs: torch.Tensor,
+                 key_padding_mask: torch.Tensor | None) -> FlashInputs | None:
+    """The inputs of one call's fused path, padded once (``FlashInputs``) where the dispatch chose ``cpu_flash`` for
+    ``attention`` on unscaled ``q``, k, v; None: the explicit path."""
+    if attention.backend_for(q, k, v, key_padding_mask) != "cpu_flash":
+        return None
+    return FlashInputs.of(qs, k, v)
+
+
 def top_blocks(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` best blocks per row of ``scores`` ``(..., n)`` (-inf = may not be chosen).
 

@@ -30,6 +30,7 @@ from longseq.attention.ops.block_select import (
     CPU_FLASH,
     block_attention,
     block_table,
+    flash_inputs,
     gathered_attention,
     grouped_attention,
     merge_parts,
@@ -37,7 +38,6 @@ from longseq.attention.ops.block_select import (
     scoring,
     top_blocks,
 )
-from longseq.attention.ops.cpu.flash_lse import FlashInputs
 from longseq.attention.ops.decoding import KVCache
 from longseq.attention.ops.geometry import BlockGrid
 from longseq.attention.ops.masks import NEG_INF, full_mask, other_blocks_mask
@@ -104,7 +104,7 @@ class MobaAttention(BlockGrid, Attention):
         qs = self.scale(q)
         drop = self.dropout if self.training else 0.0
         real = None if key_padding_mask is None else ~key_padding_mask.to(device=q.device, dtype=torch.bool)
-        flash = FlashInputs.of(qs, k, v) if self.backend_for(q, k, v, key_padding_mask) == "cpu_flash" else None
+        flash = flash_inputs(self, q, k, v, qs, key_padding_mask)
         k_bar, occupied = self.block_means(k, real)
         pos = torch.arange(L, device=q.device)
         choosable = other_blocks_mask(n, self.causal, q.device)[pos // m].view(1, 1, L, -1)

@@ -54,6 +54,7 @@ from longseq.attention.ops.block_select import (
     Part,
     block_attention,
     block_table,
+    flash_inputs,
     gathered_attention,
     grouped_attention,
     lse_factors,
@@ -64,7 +65,7 @@ from longseq.attention.ops.block_select import (
     top_blocks,
     weighted_sum,
 )
-from longseq.attention.ops.cpu.flash_lse import FlashInputs, flash_lse, pad_for_flash
+from longseq.attention.ops.cpu.flash_lse import flash_lse, pad_for_flash
 from longseq.attention.ops.decoding import KVCache
 from longseq.attention.ops.geometry import BlockGrid
 from longseq.attention.ops.masks import NEG_INF, full_mask
@@ -408,7 +409,7 @@ class NativeSparseAttention(BlockGrid, Attention):
         pos = torch.arange(L, device=q.device)
         drop = self.dropout if self.training else 0.0
         real = None if key_padding_mask is None else ~key_padding_mask.to(device=q.device, dtype=torch.bool)
-        flash = FlashInputs.of(qs, k, v) if self.backend_for(q, k, v, key_padding_mask) == "cpu_flash" else None
+        flash = flash_inputs(self, q, k, v, qs, key_padding_mask)
 
         # compression: blocks of l every d tokens, pooled; one dense softmax over the L / d pooled tokens
         C, l, d = self.n_compressed(L), self.compress_block, self.compress_stride
