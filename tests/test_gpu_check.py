@@ -36,7 +36,7 @@ def assert_complete(out, ok: bool, cfg) -> None:
     for section in gpu.SECTIONS:
         assert section in text
     rows = results["correctness"]
-    assert rows and all(r["status"] in ("pass", "n/a") for r in rows), [r for r in rows if r["status"] != "pass"]
+    assert rows and all(r["status"] in gpu.PASSED for r in rows), [r for r in rows if r["status"] != "pass"]
     assert all(r["note"] for r in rows if r["status"] == "n/a")
     names = {r["attention"] for r in rows}
     assert names == set(gpu._names(cfg.correctness.attentions))
@@ -73,6 +73,44 @@ def test_a_wrong_result_is_reported_as_a_failure(tmp_path):
     rows = gpu.check_correctness(cfg, "cpu")
     ran = [r for r in rows if r["status"] != "n/a"]
     assert ran and all(r["status"] == "FAIL" and r["output_err"] > 0 for r in ran)
+
+
+def test_a_run_stopped_in_a_later_stage_keeps_the_earlier_stages_report(tmp_path, monkeypatch, capsys):
+    """A fault in the training stage (as a lost machine or a time limit would stop it): report.md and results.json
+    already hold the correctness rows and the benchmark, and say the later stages did not run."""
+    cfg = gpu_check_config(tmp_path, ["dry=true", "correctness.attentions=[full,fixed]", "fig3.attentions=[full]"])
+
+    def lost_machine(*args):
+        raise RuntimeError("the machine went away")
+
+    monkeypatch.setattr(gpu, "run_training", lost_machine)
+    with pytest.raises(RuntimeError, match="went away"):
+        gpu.run_gpu_check(cfg)
+    (out,) = tmp_path.iterdir()
+    results, text = read_results(out)
+    assert {r["attention"] for r in results["correctness"]} == {"full", "fixed"} and results["fig3"][0]
+    assert results["training"] == [] and results["ddp"] == {"status": "not run yet"}
+    assert "correctness" in results["env"]["stage_seconds"] and "training" not in results["env"]["stage_seconds"]
+    assert "fixed float32 explicit: pass" in capsys.readouterr().out  # each row was logged as it ran
+
+
+@pytest.mark.parametrize("name", ["moba", "routing"])
+def test_a_data_chosen_pattern_is_judged_by_its_own_matrix_in_low_precision(name):
+    """``pattern_from_data`` variants in bf16: the forward passes against the same dtype's attention_matrix (its
+    own choices), and a wrong output still fails."""
+    import torch
+    from longseq.attention import build_attention
+
+    geometry = {"n_clusters": 4} if name == "routing" else {"block_size": 8}
+    attn = build_attention(name, causal=True, seq_len=64, n_heads=2, head_dim=16, **geometry)
+    attn = attn.to(torch.bfloat16).eval()
+    assert attn.pattern_from_data
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=torch.Generator().manual_seed(i)).bfloat16() for i in range(3))
+    with torch.no_grad():
+        out = attn(q, k, v)
+    status, note = gpu._own_pattern_check(attn, q, k, v, out, 0.02, seed=0)
+    assert status == "pass*" and "its own torch.bfloat16 attention_matrix" in note
+    assert gpu._own_pattern_check(attn, q, k, v, out * 1.1, 0.02, seed=0)[0] == "FAIL"
 
 
 def test_crossover_is_the_length_from_which_the_variant_stays_faster():

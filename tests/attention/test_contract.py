@@ -46,6 +46,23 @@ def test_accepts_the_backbones_strided_layout(name, causal):
     torch.testing.assert_close(attn(*strided), attn(q, k, v), atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("name,causal", CASES)
+def test_accepts_sdpa_outputs_in_cudas_layout(name, causal, monkeypatch):
+    """CUDA's SDPA kernels return (B, L, H, D)-strided outputs (a ``.view`` of them failed on an H200); with SDPA
+    made to do that here, every explicit path gives the same result."""
+    attn = build(name, causal, backend="explicit").double().eval()
+    q, k, v = random_qkv(B=2, H=2, L=L, D=8)
+    expected = attn(q, k, v)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def cuda_strided_sdpa(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2) if out.dim() == 4 and out.shape[1] > 1 else out
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", cuda_strided_sdpa)
+    torch.testing.assert_close(attn(q, k, v), expected, atol=1e-12, rtol=0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(n for n in ATTENTION_REGISTRY if ATTENTION_REGISTRY[n].cls.supports_causal))
 def test_train_cli_three_steps(name, tmp_path):

@@ -104,7 +104,7 @@ FULL = Variant("full", "dense", True, None, None)
 
 
 def facts(device="cpu", **changes):
-    return Facts(**{"device": device, "dtype": torch.float32, "value_width": 8, "head_dim": 8, **changes})
+    return Facts(**{"device": device, "dtype": torch.float32, "value_width": 32, "head_dim": 32, **changes})
 
 
 def test_auto_takes_each_devices_first_backend_that_applies():
@@ -140,6 +140,9 @@ def test_the_reasons_name_the_condition():
     assert "no CPU backward" in choose("flex", GRID, facts("cpu", grad=True)).refusal
     assert choose("flex", GRID, facts("cpu")).backend == "flex"  # CPU inference by name
     assert "stays on SDPA" in choose("flex", FULL, facts("cuda")).refusal
+    narrow = facts("cuda", head_dim=8, value_width=8)  # compiled flex lowers widths >= 16 only
+    assert "at least 16" in choose("flex", GRID, narrow).refusal and choose("auto", GRID, narrow).backend == "explicit"
+    assert choose("flex", GRID, facts("cpu", head_dim=8, value_width=8)).backend == "flex"  # eager on CPU: any width
 
 
 def test_an_eager_fp32_path_runs_explicit_in_half_precision_and_under_compile():

@@ -194,8 +194,9 @@ def test_mixture_plans_average_is_two_softmaxes_averaged(causal):
 def test_compiled_flex_on_cuda_forward_and_gradients(name, causal):
     """On CUDA the compiled kernel (block skipping, forward and backward): output and q, k, v gradients against
     the dense reference ``attention_matrix @ v`` (fp32, ratio-free tolerance of a fused kernel)."""
-    attn = build(name, causal, seq_len=L, block_size=BLOCK).eval().cuda()
-    q, k, v = (x.cuda().requires_grad_() for x in random_qkv(L=L, dtype=torch.float32, seed=4))
+    # D = 16: the compiled kernels' narrowest width (dispatch.FLEX_MIN_WIDTH)
+    attn = build(name, causal, seq_len=L, block_size=BLOCK, head_dim=16).eval().cuda()
+    q, k, v = (x.cuda().requires_grad_() for x in random_qkv(L=L, D=16, dtype=torch.float32, seed=4))
     grad = torch.randn_like(q)
     out = flex_attention_forward(attn, q, k, v)
     flex_grads = torch.autograd.grad(out, (q, k, v), grad)

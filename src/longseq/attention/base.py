@@ -77,6 +77,10 @@ class Attention(nn.Module):
     # through one (L, L) matrix).
     normalized_rows: bool = True
     matrix_is_exact: bool = True
+    # The support is chosen from the inputs by discrete decisions (clusters, hash buckets, top-k blocks). Near ties
+    # can then choose otherwise in bf16 than in fp64 (seen on an H200: 2 to 16 % output differences at L = 256), so
+    # make gpu-check judges such a variant's low-precision forward by its own ``attention_matrix`` in that dtype.
+    pattern_from_data: bool = False
     # What the variant's CPU-engine path handles (``ops.dispatch.CpuFlash``); None: it has none (explicit on CPU).
     cpu_flash: dispatch.CpuFlash | None = None
 

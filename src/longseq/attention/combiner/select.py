@@ -69,6 +69,7 @@ class CombinerSelectAttention(PartitionDecoder, Attention):
         seq_len, n_heads, head_dim, dropout: see ``Attention``; dropout acts on the joint weights.
     """
 
+    pattern_from_data = True  # top-k blocks by score
     supports_padding_mask = True
     cpu_flash = CPU_FLASH
 

@@ -53,6 +53,8 @@ class ReformerAttention(Attention):
         head_dim: required (rotation size).
     """
 
+    pattern_from_data = True  # hash buckets of the keys
+
     def __init__(
         self, *, causal: bool, seq_len: int | None = None, head_dim: int | None = None, bucket_size: int = 64,
         n_hashes: int = 4, n_buckets: int | None = None, seed: int = 0, **common,

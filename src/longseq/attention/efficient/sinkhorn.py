@@ -90,7 +90,7 @@ class SinkhornAttention(BlockGrid, Attention):
         fold = lambda x: x.reshape(B * H, n, x.shape[3], x.shape[4])  # noqa: E731  blocks in the SDPA "heads" slot
         p = self.dropout if self.training else 0.0
         out = F.scaled_dot_product_attention(fold(q_blk), fold(keys), fold(values), attn_mask=mask, dropout_p=p, scale=1.0)
-        return out.view(B, H, L, v.shape[-1])
+        return out.reshape(B, H, L, v.shape[-1])  # CUDA's SDPA output is (B, L, H, D)-strided: no view
 
     def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B, H, L, D = q.shape

@@ -285,6 +285,8 @@ class ClusteredAttention(Attention):
     centroid. No ``__init__`` here, so the subclasses' constructor keywords stay the accepted config keys.
     """
 
+    pattern_from_data = True  # k-means clusters of the keys and queries
+
     n_clusters: int
     block_size: int | None
     kmeans: OnlineKMeans

@@ -41,6 +41,7 @@ LEFT_OUT = {
     ("cuda", "cpu_flash"): "the CPU engine's kernels run on CPU tensors only",
 }
 HALF = (torch.float16, torch.bfloat16)
+FLEX_MIN_WIDTH = 16  # compiled FlexAttention (CUDA) lowers only q, k, v widths >= 16 (NYI below; torch 2.11 on an H200)
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,9 @@ def call_reason(backend: str, variant: Variant, facts: Facts) -> str | None:
         return "FlexAttention has no CPU backward (an input requires grad)"
     if facts.dropout:
         return "weight dropout in training (FlexAttention has no attention-weight dropout)"
+    if facts.device == "cuda" and min(facts.head_dim, facts.value_width) < FLEX_MIN_WIDTH:
+        return (f"q / v widths {facts.head_dim} / {facts.value_width}: the compiled FlexAttention kernels need at "
+                f"least {FLEX_MIN_WIDTH} (torch raises NotImplementedError below)")
     return None
 
 

@@ -65,6 +65,7 @@ TILE = 128  # FlexAttention's default tile (queries x keys); ``tile_size`` shrin
 # create_mask evaluates the mask_mod on a (B, H, rows, KV) grid; above this many cells the CPU builder works in
 # chunks of query tiles so the block mask never needs an O(L * KV) temporary (int64 intermediates: 8 bytes a cell)
 MASK_CHUNK_CELLS = 1 << 22
+FLEX_RECOMPILE_LIMIT = 64  # compiled flex frames kept per process (see ``_compiled``)
 PADDED_MASKS_KEPT = 8  # block masks of padded batches kept per attention (one per padding signature)
 
 
@@ -72,8 +73,21 @@ PADDED_MASKS_KEPT = 8  # block masks of padded batches kept per attention (one p
 @functools.cache
 def _compiled(fn: Callable) -> Callable:
     """``torch.compile(fn)``, made once per process and used on CUDA only (the fused kernels; on CPU flex runs
-    eagerly). Made on first use so importing this module never touches dynamo."""
-    return torch.compile(fn)
+    eagerly). Made on first use so importing this module never touches dynamo.
+
+    Every new ``mask_mod`` (one per variant and call layout) and every new length recompiles the one compiled
+    frame. Past dynamo's recompile limit (8) the frame runs eagerly: on an H200, a gpu-check process that went past
+    it built dense block masks (``axial``: 41 GB at L = 65,536) instead of fused kernels. So the limit is raised to
+    ``FLEX_RECOMPILE_LIMIT`` (process-wide; dynamo keys the limit by frame, not by compiled function).
+
+    Compiled for static shapes (``dynamic=False``): after a second length dynamo's automatic dynamic shapes made
+    the key length symbolic, and torch 2.11's flex lowering then raised (``'ShapeAsConstantBuffer' object has no
+    attribute 'dtype'``, 5 of 31 CUDA test cases on an H200). A run trains at one length, so static costs one
+    compile per length."""
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, FLEX_RECOMPILE_LIMIT)
+    return torch.compile(fn, dynamic=False)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -85,7 +85,8 @@ class LocalAttention(SparseAttention):
             kw = torch.cat([kw, k[:, :, :g].reshape(B * H, 1, g, D).expand(-1, step * n, -1, -1)], 2)
             vw = torch.cat([vw, v[:, :, :g].reshape(B * H, 1, g, D).expand(-1, step * n, -1, -1)], 2)
         out = self.sdpa(qb, kw, vw, mask)  # (B*H, step*n, b, D)
-        out = out.view(B * H, step, n * b, D).transpose(1, 2).reshape(B, H, total, D)[:, :, :L]
+        # reshape, not view: CUDA's SDPA kernels return a (B, L, H, D)-strided output (measured on an H200)
+        out = out.reshape(B * H, step, n * b, D).transpose(1, 2).reshape(B, H, total, D)[:, :, :L]
         if self.global_tokens:  # global queries attend to every key
             g = self.global_tokens
             out = out.index_copy(2, torch.arange(g, device=q.device), self.sdpa(self.scale(q[:, :, :g]), k, v))

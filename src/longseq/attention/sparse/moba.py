@@ -62,6 +62,7 @@ class MobaAttention(BlockGrid, Attention):
         seq_len, n_heads, head_dim, dropout: see ``Attention`` (dropout on the attention weights).
     """
 
+    pattern_from_data = True  # top-k blocks by score
     supports_padding_mask = True
     supports_decoding = True
     cpu_flash = CPU_FLASH

@@ -103,6 +103,7 @@ class NativeSparseAttention(BlockGrid, Attention):
         seq_len, n_heads, head_dim, dropout: see ``Attention`` (dropout on each branch's weights).
     """
 
+    pattern_from_data = True  # top-k blocks by score
     supports_padding_mask = True
     supports_decoding = True
     has_parameters = True
