@@ -83,6 +83,38 @@ def test_cpu_flash_equals_explicit(name, causal):
         torch.testing.assert_close(fast, reference, atol=1e-10, rtol=0)
 
 
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("name,causal", [c for c in CPU_FLASH if ATTENTION_REGISTRY[c[0]].cls.cpu_flash.head_group_rows])
+def test_head_groups_give_the_result_of_all_heads_at_once(name, causal, padded, monkeypatch):
+    """A CPU-engine path with ``head_group_rows`` runs per group of heads where its temporaries would reach glibc's
+    fresh-mmap size; forced here to one head per group: outputs and gradients as with all heads in one call."""
+    import longseq.attention.base as base
+
+    attn = build(name, causal, seq_len=2 * L).double().eval()
+    pad = padding_masks(2 * L) if padded and attn.supports_padding_mask else None
+    q, k, v = random_qkv(B=3, H=4, L=2 * L, D=8, requires_grad=True)  # B 3: padding_masks' three rows
+    grad = torch.cos(torch.arange(q.numel(), dtype=q.dtype)).view_as(q)
+    results = []
+    for group in (4, 1):
+        monkeypatch.setattr(base, "heads_in_group", lambda shape, *_, group=group: group)
+        out = attn(q, k, v, key_padding_mask=pad)
+        results.append((out, *torch.autograd.grad((out * grad).sum(), (q, k, v))))
+    assert attn.backends_used.keys() == {"cpu_flash"}
+    for grouped, whole in zip(*results):
+        torch.testing.assert_close(grouped, whole, atol=1e-12, rtol=0)
+
+
+def test_head_groups_keep_the_successors_temporaries_under_the_fresh_mmap_size():
+    """The measured rule at the bench geometry (B 1 H 8 D 64, fp32): all heads at L = 4096, two per group at 16384
+    (the fastest of 8 / 4 / 2 / 1 there); one per group where one head alone is that large."""
+    from longseq.attention.ops.cpu.memory import heads_in_group
+
+    rows = block_select.CPU_FLASH.head_group_rows
+    assert heads_in_group(torch.Size([1, 8, 4096, 64]), 64, 4, rows) == 8
+    assert heads_in_group(torch.Size([1, 8, 16384, 64]), 64, 4, rows) == 2
+    assert heads_in_group(torch.Size([8, 8, 16384, 64]), 64, 4, rows) == 1
+
+
 @pytest.mark.parametrize("name,causal", [c for c in CPU_FLASH if ATTENTION_REGISTRY[c[0]].cls.supports_padding_mask
                                          and not ATTENTION_REGISTRY[c[0]].cls.cpu_flash.key_padding])
 def test_cpu_flash_by_name_refuses_key_padding_at_the_call(name, causal):

@@ -321,6 +321,26 @@ def test_nsa_importance_is_the_product_with_the_overlap_matrix(l, d, m):
     torch.testing.assert_close(attn.importance(probs, S), expected, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_nsa_scores_in_row_chunks_choose_the_same_blocks(causal, monkeypatch):
+    """``choose`` scores the query rows in chunks under ``SCORE_CHUNK_BYTES`` on CPU: the same blocks and flags as
+    all rows at once (chunks of a few rows here), with and without padding's occupied blocks."""
+    from longseq.attention.sparse import nsa as nsa_module
+
+    attn = nsa(causal)
+    q, k, _ = random_qkv(B=2, L=L32)
+    qs, k_c = attn.scale(q), attn.mean_pool(k, attn.n_compressed(L32))
+    pos = torch.arange(L32)
+    allowed = attn.compressed_allowed(pos, k_c.shape[-2]).view(1, 1, L32, -1)
+    occupied = torch.rand(2, 1, 1, L32 // M, generator=torch.Generator().manual_seed(1)) > 0.3
+    for blocks in (None, occupied):
+        whole = attn.choose(qs, k_c, allowed, pos, L32 // M, blocks)
+        monkeypatch.setattr(nsa_module, "SCORE_CHUNK_BYTES", 5 * 2 * 2 * (k_c.shape[-2] + 8) * 4)  # 5 rows
+        chunked = attn.choose(qs, k_c, allowed, pos, L32 // M, blocks)
+        monkeypatch.undo()
+        assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
+
+
 def test_nsa_selection_keeps_the_first_the_local_and_the_most_important_blocks():
     """Causal: importance of block s = compression probabilities of the compression blocks overlapping it; the
     query keeps block 0, its own and the previous block, and the best remaining one."""

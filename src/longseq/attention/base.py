@@ -37,6 +37,7 @@ from torch import nn
 
 from longseq.attention.ops import dispatch
 from longseq.attention.ops.amp import autocast_dtype
+from longseq.attention.ops.cpu.memory import heads_in_group
 
 
 class AttentionConfigError(ValueError):
@@ -267,13 +268,21 @@ class Attention(nn.Module):
 def _dispatching(forward):
     """``forward`` behind the dispatch point: the call's backend is decided (and recorded) first; ``flex`` runs
     ``ops.flex``, any other backend the variant's own ``forward`` (which asks ``backend_for`` again where it has a
-    CPU-engine path; the decision is a few comparisons)."""
+    CPU-engine path; the decision is a few comparisons). A CPU-engine path with ``head_group_rows`` runs per group
+    of heads (``ops.cpu.memory.heads_in_group``)."""
 
     @functools.wraps(forward)
     def dispatched(self, q, k, v, *args, **kwargs):
         key_padding_mask = kwargs.get("key_padding_mask", args[0] if args else None)
-        if self.backend_for(q, k, v, key_padding_mask, record=True) == "flex":
+        backend = self.backend_for(q, k, v, key_padding_mask, record=True)
+        if backend == "flex":
             return dispatch.flex_forward(self, q, k, v, key_padding_mask)
+        rows = self.cpu_flash.head_group_rows if backend == "cpu_flash" else None
+        group = q.shape[1] if rows is None else heads_in_group(q.shape, v.shape[-1], q.element_size(), rows)
+        if group < q.shape[1]:  # heads are independent: the same result, without fresh-mmap temporaries
+            # split, not slices: a slice's backward zero-fills a gradient of the whole input per group
+            return torch.cat([forward(self, *heads, *args, **kwargs)
+                              for heads in zip(q.split(group, 1), k.split(group, 1), v.split(group, 1))], 1)
         return forward(self, q, k, v, *args, **kwargs)
 
     dispatched.dispatches = True

@@ -36,7 +36,10 @@ from longseq.attention.ops.masks import NEG_INF
 
 # What the fused tiles handle (the ``cpu_flash`` of moba, nsa and combiner_select): key padding (per-tile masks);
 # not weight dropout, not bf16/fp16 (``FlashLse`` computes in fp32/fp64), not while torch.compile traces.
-CPU_FLASH = CpuFlash(key_padding=True, half_precision=False, compiles=False)
+# head_group_rows: nsa's tile gathers and their gradients hold ~2.5 rows per query and head at L = 16384; in groups
+# of 2 of 8 heads (every temporary under 32 MiB) fwd + bwd took 0.80 (nsa), 0.63 (moba) and 0.66 (combiner_select)
+# of all heads at once, page faults 0.39-0.54 M -> 0.02-0.06 M; groups of 4 or 1 were slower than 2
+CPU_FLASH = CpuFlash(key_padding=True, half_precision=False, compiles=False, head_group_rows=3.0)
 
 
 def flash_inputs(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qs: torch.Tensor,

@@ -54,7 +54,9 @@ class CpuFlash:
     twice its fp32 time in bf16, slower than explicit batched matmuls that bf16 speeds up). ``half_precision=False``:
     every bf16/fp16 call runs explicit (the path computes in fp32/fp64 only). ``compiles=False``: while
     ``torch.compile`` traces, the call runs explicit (the path is eager-only: its autograd Function keeps a
-    differentiable log-sum-exp that the traced graph does not).
+    differentiable log-sum-exp that the traced graph does not). ``head_group_rows``: the path's largest temporaries
+    hold about this many (D + 1)-wide rows per query and head, and the dispatch runs the heads in groups that keep
+    them under glibc's fresh-mmap size (``ops.cpu.memory.heads_in_group``; None: all heads at once).
     """
 
     key_padding: bool = False
@@ -63,6 +65,7 @@ class CpuFlash:
     half_precision: bool = True
     causal_only: bool = False
     compiles: bool = True
+    head_group_rows: float | None = None
 
 
 @dataclass(frozen=True)

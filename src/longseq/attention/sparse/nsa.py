@@ -66,6 +66,7 @@ from longseq.attention.ops.block_select import (
     weighted_sum,
 )
 from longseq.attention.ops.cpu.flash_lse import flash_lse, pad_for_flash
+from longseq.attention.ops.cpu.memory import FRESH_MAP_BYTES
 from longseq.attention.ops.decoding import KVCache
 from longseq.attention.ops.geometry import BlockGrid
 from longseq.attention.ops.masks import NEG_INF, full_mask
@@ -77,6 +78,9 @@ GATE_KINDS = ("normalized", "sigmoid")
 # fwd + bwd at L = 16384 (B1 H8 D64, 255 pooled tokens) 1, 2, 4, 8 chunks took 1, 0.82, 0.68, 0.62 of one call's time
 # (16 and 32 as 8)
 COMPRESS_CHUNKS = 8
+# CPU: the fp32 (T, C) scores of ``choose`` in row chunks under glibc's fresh-mmap size (at L = 16384 a group of two
+# heads scored 32 MiB at once: two fresh maps per call)
+SCORE_CHUNK_BYTES = FRESH_MAP_BYTES // 4
 
 
 @dataclass
@@ -218,7 +222,18 @@ class NativeSparseAttention(BlockGrid, Attention):
         overlapping it (fp32 scores, autocast off); forced = block 0 and the ``local_blocks`` latest; top n.
 
         qs ``(B, H, T, D)``, k_c ``(B, H, C, D)``, compressed_ok ``(B|1, 1, T, C)``, positions ``(T,)``;
-        ``occupied`` ``(B, 1, 1, S)`` (blocks with a real key) or None. Returns ``(blocks, ok)`` ``(B, H, T, n)``."""
+        ``occupied`` ``(B, 1, 1, S)`` (blocks with a real key) or None. Returns ``(blocks, ok)`` ``(B, H, T, n)``.
+        Rows are independent: on CPU they are scored in chunks whose (T, C) scores stay under ``SCORE_CHUNK_BYTES``."""
+        B, H, T, _ = qs.shape
+        rows = max(1, SCORE_CHUNK_BYTES // (B * H * (k_c.shape[-2] + 8) * 4))
+        if rows >= T or qs.device.type != "cpu":
+            return self.choose_rows(qs, k_c, compressed_ok, positions, n_select, occupied)
+        picks = [self.choose_rows(qs[:, :, a:a + rows], k_c, compressed_ok[..., a:a + rows, :], positions[a:a + rows],
+                                  n_select, occupied) for a in range(0, T, rows)]
+        return torch.cat([p[0] for p in picks], 2), torch.cat([p[1] for p in picks], 2)
+
+    def choose_rows(self, qs, k_c, compressed_ok, positions, n_select, occupied=None):
+        """``choose`` on one chunk of query rows (the same arguments)."""
         with scoring(qs), torch.no_grad():  # in place: no copies of the (T, C) scores
             dtype = score_dtype(qs)
             extra = -k_c.shape[-2] % 8  # masked zero keys up to a multiple of 8: the product took 0.7x the time

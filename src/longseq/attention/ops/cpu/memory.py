@@ -9,6 +9,8 @@ budget). Caching allocators (CUDA) reuse memory anyway, so elsewhere all heads r
 
 from __future__ import annotations
 
+import torch
+
 FRESH_MAP_BYTES = 32 * 2**20  # glibc's largest mmap threshold on 64-bit
 
 
@@ -16,3 +18,12 @@ def heads_per_group(n_heads: int, bytes_per_head: int, budget: int) -> int:
     """The most heads (at least one, at most ``n_heads``) whose temporaries of ``bytes_per_head`` bytes each fit
     in ``budget`` bytes together."""
     return max(1, min(n_heads, budget // max(1, bytes_per_head)))
+
+
+def heads_in_group(shape: torch.Size, value_width: int, element_size: int, rows_per_query: float) -> int:
+    """Heads per group for a path whose largest temporaries hold ``rows_per_query`` rows of width
+    ``max(D, Dv) + 1`` per query and head, for q of ``shape`` ``(B, H, L, D)``: every temporary then stays below
+    ``FRESH_MAP_BYTES``."""
+    B, H, L, D = shape
+    per_head = B * L * (max(D, value_width) + 1) * element_size * rows_per_query
+    return heads_per_group(H, int(per_head), FRESH_MAP_BYTES)
