@@ -333,10 +333,11 @@ def test_nsa_scores_in_row_chunks_choose_the_same_blocks(causal, monkeypatch):
     pos = torch.arange(L32)
     allowed = attn.compressed_allowed(pos, k_c.shape[-2]).view(1, 1, L32, -1)
     occupied = torch.rand(2, 1, 1, L32 // M, generator=torch.Generator().manual_seed(1)) > 0.3
-    for blocks in (None, occupied):
-        whole = attn.choose(qs, k_c, allowed, pos, L32 // M, blocks)
+    everywhere = torch.ones(1, 1, 1, k_c.shape[-2], dtype=torch.bool)  # one row broadcast over the queries
+    for blocks, usable in ((None, allowed), (occupied, allowed), (None, everywhere)):
+        whole = attn.choose(qs, k_c, usable, pos, L32 // M, blocks)
         monkeypatch.setattr(nsa_module, "SCORE_CHUNK_BYTES", 5 * 2 * 2 * (k_c.shape[-2] + 8) * 4)  # 5 rows
-        chunked = attn.choose(qs, k_c, allowed, pos, L32 // M, blocks)
+        chunked = attn.choose(qs, k_c, usable, pos, L32 // M, blocks)
         monkeypatch.undo()
         assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
 

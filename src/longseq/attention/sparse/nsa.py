@@ -228,7 +228,8 @@ class NativeSparseAttention(BlockGrid, Attention):
         rows = max(1, SCORE_CHUNK_BYTES // (B * H * (k_c.shape[-2] + 8) * 4))
         if rows >= T or qs.device.type != "cpu":
             return self.choose_rows(qs, k_c, compressed_ok, positions, n_select, occupied)
-        picks = [self.choose_rows(qs[:, :, a:a + rows], k_c, compressed_ok[..., a:a + rows, :], positions[a:a + rows],
+        rows_of = lambda x, a: x[..., a:a + rows, :] if x.shape[-2] > 1 else x  # noqa: E731  (T or 1 rows)
+        picks = [self.choose_rows(qs[:, :, a:a + rows], k_c, rows_of(compressed_ok, a), positions[a:a + rows],
                                   n_select, occupied) for a in range(0, T, rows)]
         return torch.cat([p[0] for p in picks], 2), torch.cat([p[1] for p in picks], 2)
 
