@@ -207,6 +207,19 @@ def test_compiled_flex_on_cuda_forward_and_gradients(name, causal):
         torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
 
 
+def test_the_compiled_flex_frame_keeps_a_recompile_per_layout_and_length():
+    """dynamo's default limit (8 recompiles) sent later layouts to eager, dense masks on an H200: making the compiled
+    function raises it to ``FLEX_RECOMPILE_LIMIT`` (never lowers a higher one)."""
+    import torch._dynamo
+
+    for before, after in ((8, flex.FLEX_RECOMPILE_LIMIT), (500, 500)):
+        with torch._dynamo.config.patch(recompile_limit=before):  # restored on exit
+            flex._compiled.cache_clear()
+            flex._compiled(flex_attention_forward)
+            assert torch._dynamo.config.recompile_limit == after >= 64
+    flex._compiled.cache_clear()
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_routing_mask_reads_the_batch_clusters(causal):
     """``routing``'s mask (per batch and head, from this batch's k-means clusters) is the dense reference's
