@@ -179,7 +179,7 @@ def test_attention_labels_override_knobs(tmp_path: Path) -> None:
     cfg = OmegaConf.load(CONF_DIR / "bench.yaml")
     cfg.merge_with({"attentions": ["full", "combiner_axial:row_summary=wsum"], "lengths": [64], "mode": ["fwd"],
                     "repeats": 1, "warmup": 1, "isolate": False, "device": "cpu", "throughput": False, "plot": False,
-                    "out_dir": str(tmp_path)})
+                    "tiles": {"lengths": [64]}, "out_dir": str(tmp_path)})
     rows = read_rows(run_benchmark(cfg) / "results.csv")
     assert [(r["attention"], r["status"]) for r in rows] == [("full", "ok"), ("combiner_axial:row_summary=wsum", "ok")]
 
@@ -244,7 +244,7 @@ def test_long_preset_composes_and_runs_at_small_lengths(tmp_path: Path) -> None:
             assert spec.block_size == 256  # 2 ** round(log2(65536) / 2)
 
     overrides = ["preset=long", "lengths=[64,256]", "repeats=1", "isolate=false", "device=cpu", "plot=false",
-                 f"out_dir={tmp_path}"]
+                 "tiles.lengths=[256]", f"out_dir={tmp_path}"]  # tiles at 16384 took 5 of this test's 11 s
     cfg = OmegaConf.load(CONF_DIR / "bench.yaml")
     cfg.merge_with(OmegaConf.from_dotlist(overrides))
     apply_preset(cfg, overrides)
