@@ -141,9 +141,9 @@ def prime_runtime(device: torch.device, dtype: torch.dtype) -> None:
 
 
 # ``allocator``: glibc's malloc maps every block of 32 MiB or more afresh and unmaps it when freed, so each such
-# tensor is paid for again in page faults (at L = 16384, B1 H8 D64: 0.3 to 0.6 M faults, about 1 s of system time, per
-# fwd + bwd of moba, nsa or combiner_select; 0.04 M for full); ``heap`` keeps freed blocks for reuse, as a caching
-# allocator does (CUDA's, jemalloc, tcmalloc).
+# tensor is paid for again in page faults (at L = 16384, B1 H8 D64, before the CPU engine ran their heads in groups:
+# 0.4 to 0.54 M faults per fwd + bwd of moba, nsa or combiner_select, about 1 s of system time; 0.04 M for full);
+# ``heap`` keeps freed blocks for reuse, as a caching allocator does (CUDA's, jemalloc, tcmalloc).
 ALLOCATORS = ("glibc", "heap")
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters
 

@@ -14,8 +14,8 @@ attend the kept keys at full resolution; never an ``L x L`` tensor.
 - ``block_table`` / ``gathered_attention``: a per-query key table, for decoding steps (a few queries);
 - ``scoring``: selection scores are computed in fp32 (fp64 stays fp64) with autocast off, so a bf16 run picks the
   blocks an fp32 run picks;
-- ``ops.cpu.flash_lse`` (``FlashLse``): where the dispatch chose ``cpu_flash`` (the variants declare
-  ``CpuFlash(half_precision=False, compiles=False, key_padding=True)``: CPU, fp32/fp64, no dropout, eager) the
+- ``ops.cpu.flash_lse`` (``FlashLse``): where the dispatch chose ``cpu_flash`` (the variants declare ``CPU_FLASH``:
+  CPU, fp32/fp64, no dropout, eager, key padding, heads in groups under glibc's fresh-mmap size) the
   products run as fused CPU flash calls on q, k, v padded once per forward (``FlashInputs``; the blocks are views,
   the tiles gathers), whose log-sum-exp stays differentiable, so the parts still merge exactly; elsewhere the
   explicit masked softmax. Speed: README, "The 2025 successors" (``make bench``).

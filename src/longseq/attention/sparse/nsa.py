@@ -350,7 +350,8 @@ class NativeSparseAttention(BlockGrid, Attention):
         B, H, L, _ = q_p.shape
         bounds = [L * i // COMPRESS_CHUNKS for i in range(COMPRESS_CHUNKS + 1)]
         outs = []
-        chunks = q_p.split([b - a for a, b in zip(bounds, bounds[1:])], 2)  # split: one backward node, no slices
+        # split by sizes: one backward node (tensor_split and slices each zero-fill a gradient of all of q_p)
+        chunks = q_p.split([b - a for a, b in zip(bounds, bounds[1:])], 2)
         for a, b, q_chunk in zip(bounds, bounds[1:], chunks):
             c = self.n_compressed(b)  # the pooled tokens complete by the chunk's last query
             outs.append(flash_lse(q_chunk, k_p[:, :, :c], v_p[:, :, :c], compressed_ok[..., a:b, :c])[0] if c
