@@ -217,6 +217,18 @@ def test_model_compile_must_be_a_boolean(tmp_path):
         build_module(compose_config(["model.compile=yes"], tmp_path))
 
 
+def test_model_compile_mode_passes_to_torch_compile_and_names_the_valid_modes(tmp_path, monkeypatch):
+    """``model.compile_mode`` (default: torch.compile's default) reaches ``nn.Module.compile``; an unknown mode fails
+    at construction naming the key and the valid modes."""
+    seen = []
+    module = build_module(compose_config(["model.compile=true", "model.compile_mode=reduce-overhead"], tmp_path))
+    monkeypatch.setattr(type(module.net), "compile", lambda self, **kwargs: seen.append(kwargs))
+    module.configure_model()
+    assert seen == [{"mode": "reduce-overhead"}]
+    with pytest.raises(ConfigError, match=r"model.compile_mode: 'fastest' is not valid; choose one of .*reduce-overhead"):
+        build_module(compose_config(["model.compile=true", "model.compile_mode=fastest"], tmp_path))
+
+
 @pytest.mark.slow
 def test_model_compile_trains(make_cfg):
     """Three steps of the digits task with the backbone compiled by inductor (CPU: about a minute of compilation)."""

@@ -165,6 +165,6 @@ def test_gpu_check_on_cuda(tmp_path):
 @requires_multi_gpu
 def test_ddp_over_every_gpu(tmp_path):
     cfg = gpu_check_config(tmp_path, ["device=cuda", "train.n_layers=1", "train.d_model=64", "train.n_heads=2",
-                                      "train.seq_len=1024", "ddp.steps=2"])
+                                      "train.geometries=[{seq_len:1024,block_size:32}]", "ddp.steps=2"])
     result = gpu.run_ddp(cfg, "cuda", tmp_path)
     assert result["status"] == "pass" and result["world_size"] >= 2 and result["backend"] == "nccl"

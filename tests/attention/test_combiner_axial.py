@@ -369,13 +369,18 @@ def test_inference_path_equals_training_path(cfg, causal, padded, monkeypatch):
     torch.testing.assert_close(inference, P @ v.detach(), atol=1e-10, rtol=0)
 
 
+@pytest.mark.parametrize("blocked", [True, False])  # the CPU kernel and the one-cummax kernel of other devices
 @pytest.mark.parametrize("length", [1, 7, 12, 16])  # prime (plain scan), non-square and square block layouts
-def test_running_max_equals_cummax(length):
-    """``ops.running_max`` (the blocked scan behind ``summary.running_max``) gives exactly ``cummax``'s values,
-    ties and -inf included, along any axis, prefix or suffix (``reverse``), with or without autograd; its
-    gradient is the one ``cummax``'s indices route (to the latest position attaining the max, in scan order)."""
+def test_running_max_equals_cummax(length, blocked, monkeypatch):
+    """``ops.running_max`` (the blocked scan behind ``summary.running_max`` on CPU, one ``cummax`` keeping a bool mask
+    elsewhere) gives exactly ``cummax``'s values, ties and -inf included, along any axis, prefix or suffix
+    (``reverse``), with or without autograd; its gradient is the one ``cummax``'s indices route (to the latest
+    position attaining the max, in scan order)."""
     from longseq.attention.combiner.summary import running_max
+    from longseq.attention.ops import running_max as kernels
     from longseq.attention.ops.running_max import running_maxes
+
+    monkeypatch.setattr(kernels, "blocked_scan_applies", lambda x: blocked)
 
     g = torch.Generator().manual_seed(3)
     x = torch.randint(-3, 3, (2, length, 5, 4), generator=g).double()  # many ties

@@ -42,7 +42,7 @@ def test_cpu_flash_by_name_fails_at_construction_without_a_path(name, causal):
 
 @pytest.mark.parametrize("name,causal", CASES)
 def test_flex_by_name_builds_where_the_variant_has_a_layout_and_fails_naming_the_knob_elsewhere(name, causal):
-    reason = dispatch.flex_reason(build(name, causal))
+    reason = build(name, causal).flex_reason()
     if name == "full" or reason is not None:  # full stays on SDPA
         with pytest.raises(AttentionConfigError, match=r"attention.backend=flex cannot run here: "):
             build(name, causal, backend="flex")

@@ -1,8 +1,11 @@
 """The FlexAttention backend (``ops.flex``) against the attention contract, parametrized over the registry.
 
-Every variant (and direction) whose ``flex_unsupported_reason`` is None is tested, so a new layout is covered by
-adding it; ``IMPLEMENTED`` pins the layouts written so far, so support cannot silently vanish. On CPU flex runs
-eagerly (exact, forward only), hence ``no_grad``.
+Every variant (and direction) whose class has a flex layout (``flex_reason() is None``) is tested, so a new layout
+is covered by writing it; ``IMPLEMENTED`` pins the layouts written so far, so support cannot silently vanish. On CPU
+flex runs eagerly (exact, forward only), hence ``no_grad``; what a GPU step needs of the layer is checked here
+without one: one graph (``torch._dynamo.explain`` of the whole layer), no host reads in a forward and backward (the
+flex call itself replaced by a differentiable stand-in), block masks built once per geometry, and the bytes the
+layer keeps for its backward.
 """
 
 from __future__ import annotations
@@ -12,17 +15,21 @@ import math
 import pytest
 import torch
 from devices import requires_cuda
-from helpers import CASES, build, random_qkv
+from helpers import CASES, build, modes, random_qkv
+from host_reads import NoHostReads
+from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
-from longseq.attention import AttentionConfigError
-from longseq.attention.ops import flex
+from longseq.attention import ATTENTION_REGISTRY, AttentionConfigError
 from longseq.attention.ops.flex import (
+    BUILDS,
+    block_masks,
     build_block_mask,
-    flex_attention_forward,
+    engine,
+    flex_forward,
     flex_partition,
     flex_tiles_visited,
-    flex_unsupported_reason,
-    plans_of,
+    static_layout,
+    tile_size,
     tiles_of,
 )
 from longseq.attention.ops.partition import Partition
@@ -34,13 +41,8 @@ IMPLEMENTED = {"combiner_fixed", "combiner_logsparse", "combiner_axial", "combin
                "combiner_axial_horizontal", "combiner_mixture", "fixed", "axial", "local", "longformer", "strided",
                "logsparse", "bigbird", "random", "routing", "combiner_routing"}
 
-
-def supported(cases, seq_len, block_size):
-    return [(name, causal) for name, causal in cases
-            if flex_unsupported_reason(build(name, causal, seq_len=seq_len, block_size=block_size)) is None]
-
-
-FLEX_CASES = supported(CASES, L, BLOCK)
+FLEX_CASES = [(name, causal) for name, causal in CASES if ATTENTION_REGISTRY[name].cls.flex_reason() is None]
+STATIC_CASES = [(name, causal) for name, causal in FLEX_CASES if not ATTENTION_REGISTRY[name].cls.flex_from_data]
 
 
 def test_supported_variants_include_every_layout_written():
@@ -58,7 +60,7 @@ def pads(batch: int = 2) -> dict[str, torch.Tensor | None]:
 
 
 PADDED_CASES = [(name, causal, padding) for name, causal in FLEX_CASES for padding in pads()
-                if padding == "none" or build(name, causal, seq_len=L, block_size=BLOCK).supports_padding_mask]
+                if padding == "none" or ATTENTION_REGISTRY[name].cls.supports_padding_mask]
 
 
 @pytest.mark.parametrize("name,causal,padding", PADDED_CASES)
@@ -68,12 +70,11 @@ def test_flex_forward_equals_attention_matrix_and_forward(name, causal, padding)
     kwargs = {} if pad is None else {"key_padding_mask": pad}
     with torch.no_grad():
         q, k, v = random_qkv(L=L, dtype=torch.float32, seed=1)
-        out = flex_attention_forward(attn, q, k, v, pad)
+        out = flex_forward(attn, q, k, v, pad)
         torch.testing.assert_close(out, attn.attention_matrix(q, k, v, **kwargs) @ v, atol=1e-5, rtol=0)
         # the module's own forward in fp64 (its fp32 padding channel of -1e4 costs ~1e-4 on fallback rows)
         q, k, v = random_qkv(L=L, dtype=torch.float64, seed=2)
-        torch.testing.assert_close(flex_attention_forward(attn, q, k, v, pad), attn(q, k, v, **kwargs),
-                                   atol=1e-9, rtol=0)
+        torch.testing.assert_close(flex_forward(attn, q, k, v, pad), attn(q, k, v, **kwargs), atol=1e-9, rtol=0)
 
 
 def regions_match(flex_part: Partition, part: Partition) -> None:
@@ -90,7 +91,7 @@ def regions_match(flex_part: Partition, part: Partition) -> None:
 
 
 # layouts read from the geometry alone (``routing``'s masks read the batch's clusters: tested below)
-MASK_CASES = [(name, causal) for name, causal in supported(CASES, MASK_L, MASK_BLOCK) if name not in flex.DATA_LAYOUTS]
+MASK_CASES = STATIC_CASES
 
 
 @pytest.mark.parametrize("name,causal", MASK_CASES)
@@ -108,20 +109,19 @@ def test_create_mask_of_every_mask_mod_equals_the_partition(name, causal):
 
 
 @pytest.mark.parametrize("name,causal", MASK_CASES)
-def test_block_masks_chunked_builder_and_tiles_visited(name, causal, monkeypatch):
-    """The CPU builder for long sequences (chunks of query tiles, broadcast index grids) classifies every tile as
-    ``create_block_mask`` does; a sparse pattern's calls never visit more tiles than its dense support touches in
-    sequence order (the issue's target for the patterns)."""
+def test_block_masks_equal_create_block_mask_and_count_their_tiles(name, causal, monkeypatch):
+    """The builder (the mask_mod on index grids, chunk by chunk of query tiles; two tiles a chunk here) classifies
+    every tile as torch's ``create_block_mask``, over the KV padded to whole tiles; a sparse pattern's calls never
+    visit more tiles than its dense support touches in sequence order (the issue's target for the patterns)."""
     attn = build(name, causal, seq_len=MASK_L, block_size=MASK_BLOCK)
     tile = 8
-    for plan in plans_of(attn, MASK_L, "cpu", tile):
-        mask_mod, kv_len = plan.mask_mod(MASK_L), plan.kv_len(MASK_L)
-        reference = build_block_mask(mask_mod, 1, plan.heads, MASK_L, kv_len, "cpu", tile)
-        monkeypatch.setattr(flex, "MASK_CHUNK_CELLS", 2 * tile * kv_len)  # two query tiles a chunk
-        chunked = build_block_mask(mask_mod, 1, plan.heads, MASK_L, kv_len, "cpu", tile)
-        monkeypatch.undo()
-        assert torch.equal(chunked.to_dense(), reference.to_dense())
-        assert tiles_of(chunked) == tiles_of(reference)
+    monkeypatch.setitem(block_masks.MASK_CHUNK_CELLS, "cpu", 2 * tile * 3 * MASK_L)
+    for call in attn.flex_calls(MASK_L, torch.device("cpu")):
+        kv_len = block_masks.whole_tiles(call.kv_len(MASK_L), tile)
+        mine = build_block_mask(call.mask_mod(MASK_L), 1, call.heads, MASK_L, kv_len, "cpu", tile)
+        torch_s = create_block_mask(call.mask_mod(MASK_L), 1, call.heads, MASK_L, kv_len, "cpu", BLOCK_SIZE=tile)
+        assert torch.equal(mine.to_dense(), torch_s.to_dense())
+        assert tiles_of(mine) == tiles_of(torch_s)
 
     ratio = flex_tiles_visited(attn, MASK_L, tile=tile)
     assert ratio > 0
@@ -144,80 +144,31 @@ def test_tiles_visited_meet_the_issue_targets(name, target):
 
 def test_unsupported_variants_say_why_and_forward_refuses():
     full = build("full", True)
-    assert "SDPA" in flex_unsupported_reason(full)
-    performer = build("performer", True)
-    assert flex_unsupported_reason(performer)
+    assert "SDPA" in full.flex_reason()
+    assert build("performer", True).flex_reason()
     q, k, v = random_qkv(L=16)
     with pytest.raises(AttentionConfigError, match="attention.backend"):
-        flex_attention_forward(full, q, k, v)
+        flex_forward(full, q, k, v)
 
 
 def test_flex_refuses_weight_dropout_in_training():
     attn = build("combiner_fixed", True, seq_len=L, block_size=BLOCK, dropout=0.1).train()
     q, k, v = random_qkv(L=L)
     with pytest.raises(AttentionConfigError, match="attention.dropout"):
-        flex_attention_forward(attn, q, k, v)
-
-
-def test_block_masks_are_cached_per_length_and_padding():
-    attn = build("combiner_fixed", True, seq_len=L, block_size=BLOCK).eval()
-    q, k, v = random_qkv(L=L, dtype=torch.float32)
-    with torch.no_grad():
-        flex_attention_forward(attn, q, k, v)
-        cache = flex._cache(attn)
-        masks = {key for key in cache if key[0] == "mask"}
-        flex_attention_forward(attn, q, k, v)
-        assert {key for key in cache if key[0] == "mask"} == masks  # reused, not rebuilt
-        pad = pads()["padded"]
-        flex_attention_forward(attn, q, k, v, pad)
-        flex_attention_forward(attn, q, k, v, pad)
-        assert len(cache["padded"]) == 1  # one entry per padding signature
-    assert math.isclose(flex.causal_full_tiles(256, 128), 3.0)  # 2 x 2 query x key tiles, causal: 3
+        flex_forward(attn, q, k, v)
 
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_mixture_plans_average_is_two_softmaxes_averaged(causal):
     """``combiner_mixture plans=average``: one group of calls per partition plan, each its own softmax, averaged."""
     attn = build("combiner_mixture", causal, seq_len=L, block_size=BLOCK, plans="average").eval()
-    assert flex_unsupported_reason(attn) is None
-    assert {plan.group for plan in plans_of(attn, L, "cpu", 16)} == {0, 1}
+    assert {call.group for call in attn.flex_calls(L, torch.device("cpu"))} == {0, 1}
     pad = pads()["padded"]
     with torch.no_grad():
         q, k, v = random_qkv(L=L, dtype=torch.float32, seed=3)
         for kwargs in ({}, {"key_padding_mask": pad}):
-            out = flex_attention_forward(attn, q, k, v, kwargs.get("key_padding_mask"))
+            out = flex_forward(attn, q, k, v, kwargs.get("key_padding_mask"))
             torch.testing.assert_close(out, attn.attention_matrix(q, k, v, **kwargs) @ v, atol=1e-5, rtol=0)
-
-
-@requires_cuda
-@pytest.mark.parametrize("name,causal", FLEX_CASES)
-def test_compiled_flex_on_cuda_forward_and_gradients(name, causal):
-    """On CUDA the compiled kernel (block skipping, forward and backward): output and q, k, v gradients against
-    the dense reference ``attention_matrix @ v`` (fp32, ratio-free tolerance of a fused kernel)."""
-    # D = 16: the compiled kernels' narrowest width (dispatch.FLEX_MIN_WIDTH)
-    attn = build(name, causal, seq_len=L, block_size=BLOCK, head_dim=16).eval().cuda()
-    q, k, v = (x.cuda().requires_grad_() for x in random_qkv(L=L, D=16, dtype=torch.float32, seed=4))
-    grad = torch.randn_like(q)
-    out = flex_attention_forward(attn, q, k, v)
-    flex_grads = torch.autograd.grad(out, (q, k, v), grad)
-    ref = attn.attention_matrix(q, k, v) @ v
-    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
-    torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)
-    for got, want in zip(flex_grads, ref_grads):
-        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
-
-
-def test_the_compiled_flex_frame_keeps_a_recompile_per_layout_and_length():
-    """dynamo's default limit (8 recompiles) sent later layouts to eager, dense masks on an H200: making the compiled
-    function raises it to ``FLEX_RECOMPILE_LIMIT`` (never lowers a higher one)."""
-    import torch._dynamo
-
-    for before, after in ((8, flex.FLEX_RECOMPILE_LIMIT), (500, 500)):
-        with torch._dynamo.config.patch(recompile_limit=before):  # restored on exit
-            flex._compiled.cache_clear()
-            flex._compiled(flex_attention_forward)
-            assert torch._dynamo.config.recompile_limit == after >= 64
-    flex._compiled.cache_clear()
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -226,16 +177,31 @@ def test_routing_mask_reads_the_batch_clusters(causal):
     ``allowed(key_clusters, query_routes)``; its tiles are data dependent (NaN)."""
     attn = build("routing", causal, seq_len=L, block_size=BLOCK).eval()
     q, k, v = random_qkv(L=L, dtype=torch.float32, seed=5)
-    (plan,) = flex.DATA_LAYOUTS["routing"](attn, q, k, v)
-    mask = flex.create_mask(plan.mask_mod(L), 2, plan.heads, L, L, "cpu")
+    (call,) = attn.flex_data_calls(q, k, v, None)
+    mask = create_mask(call.mask_mod(L), 2, call.heads, L, L, "cpu")
     assert torch.equal(mask, attn.allowed(*attn.assign(k)))
     assert math.isnan(flex_tiles_visited(attn, L))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_combiner_routing_mask_reads_the_batch_clusters(causal):
+    """``combiner_routing``: direct keys and usable cluster summaries per batch and head are the dense partition's
+    for this batch's clusters (causal: R(c, g) only for the query's own segment g)."""
+    attn = build("combiner_routing", causal, seq_len=L, block_size=BLOCK).eval()
+    q, k, v = random_qkv(L=L, dtype=torch.float32, seed=7)
+    (call,) = attn.flex_data_calls(q, k, v, None)
+    mask = create_mask(call.mask_mod(L), 2, call.heads, L, call.kv_len(L), "cpu")
+    clusters, routes = attn.assign(k)
+    direct, regions = attn.partition(clusters, routes)
+    used = mask[..., L:].unflatten(-1, (-1, attn.n_clusters)).any(-2)  # (B, H, L, K): over the segments g
+    assert torch.equal(mask[..., :L], direct) and torch.equal(used, regions.any(-1))
 
 
 @pytest.mark.parametrize("name,knobs", [
     ("combiner_fixed", {"summary": "deepsets_mean"}), ("combiner_logsparse", {"summary": "mean"}),
     ("combiner_axial_vertical", {"summary": "deepsets_max"}), ("combiner_mixture", {"summary": "mean"}),
     ("combiner_axial_horizontal", {"summary": "mean", "horizontal_regions": "split"}),
+    ("combiner_axial_horizontal", {"summary": "deepsets_max"}),
     ("combiner_axial", {"row_summary": "wsum"}), ("combiner_axial", {"row_summary": "none"}),
 ])
 def test_flex_summaries_follow_the_variants_knobs(name, knobs):
@@ -245,19 +211,186 @@ def test_flex_summaries_follow_the_variants_knobs(name, knobs):
     with torch.no_grad():
         for pad in (None, pads()["padded"]):
             kwargs = {} if pad is None else {"key_padding_mask": pad}
-            torch.testing.assert_close(flex_attention_forward(attn, q, k, v, pad),
+            torch.testing.assert_close(flex_forward(attn, q, k, v, pad),
                                        attn.attention_matrix(q, k, v, **kwargs) @ v, atol=1e-9, rtol=0)
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_combiner_routing_mask_reads_the_batch_clusters(causal):
-    """``combiner_routing``: direct keys and usable cluster summaries per batch and head are the dense partition's
-    for this batch's clusters (causal: R(c, g) only for the query's own segment g)."""
-    attn = build("combiner_routing", causal, seq_len=L, block_size=BLOCK).eval()
-    q, k, v = random_qkv(L=L, dtype=torch.float32, seed=7)
-    (plan,) = flex.DATA_LAYOUTS["combiner_routing"](attn, q, k, v)
-    mask = flex.create_mask(plan.mask_mod(L), 2, plan.heads, L, plan.kv_len(L), "cpu")
-    clusters, routes = attn.assign(k)
-    direct, regions = attn.partition(clusters, routes)
-    used = mask[..., L:].unflatten(-1, (-1, attn.n_clusters)).any(-2)  # (B, H, L, K): over the segments g
-    assert torch.equal(mask[..., :L], direct) and torch.equal(used, regions.any(-1))
+# -- what a GPU step needs, checked on CPU -------------------------------------------------------------------
+class FlexStandIn(torch.autograd.Function):
+    """A differentiable stand-in for one flex call on CPU (whose FlexAttention has no backward): outputs of the right
+    shapes and dtypes, gradients of zeros into q, k and v, nothing saved; so the rest of the layer runs its
+    backward and its saved tensors can be counted."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.specs = [(x.shape, x.dtype) for x in (q, k, v)]
+        return q.new_zeros(*q.shape[:-1], v.shape[-1]), q.new_zeros(q.shape[:-1], dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        return tuple(torch.zeros(shape, dtype=dtype) for shape, dtype in ctx.specs)
+
+
+@pytest.fixture
+def flex_stand_in(monkeypatch):
+    monkeypatch.setattr(engine, "_flex", lambda q, k, v, mask: FlexStandIn.apply(q, k, v))
+
+
+# tracing costs seconds a case: the fast suite traces each variant's first direction unpadded, the slow suite the rest
+TRACE_FAST = [(name, causal, padding) for name, causal, padding in PADDED_CASES
+              if padding == "none" and causal == modes(name)[0]]
+TRACE_CASES = TRACE_FAST + [pytest.param(*case, marks=pytest.mark.slow) for case in PADDED_CASES
+                            if case not in TRACE_FAST]
+
+
+@pytest.mark.parametrize("name,causal,padding", TRACE_CASES)
+def test_the_whole_layer_traces_as_one_graph(name, causal, padding):
+    """``torch._dynamo.explain`` of the attention module on the flex backend (dispatch, summaries, every call, the
+    merge, the padding fallback): one graph, no break (once the static layout exists, as after the first step)."""
+    import torch._dynamo
+
+    attn = build(name, causal, seq_len=L, block_size=BLOCK, backend="flex").eval()
+    pad = pads()[padding]
+    kwargs = {} if pad is None else {"key_padding_mask": pad}
+    q, k, v = random_qkv(L=L, dtype=torch.float32, seed=8)
+    with torch.no_grad():
+        attn(q, k, v, **kwargs)
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(attn)(q, k, v, **kwargs)
+    torch._dynamo.reset()
+    assert explanation.graph_break_count == 0, [str(r.reason).splitlines()[0] for r in explanation.break_reasons]
+    assert explanation.graph_count == 1
+
+
+@pytest.mark.parametrize("name,causal,padding", PADDED_CASES)
+def test_a_training_step_reads_nothing_on_the_host(name, causal, padding, flex_stand_in, monkeypatch):
+    """Forward and backward of the layer in training mode (summaries, clusters, masks, merge; the flex call a
+    stand-in) under a check that fails on any host read of tensor values: on a GPU each would be a sync. The
+    kernels are the ones a GPU runs (``running_max``'s single scan, the k-means rounds with static shapes)."""
+    from longseq.attention.ops import clustering, running_max
+
+    monkeypatch.setattr(running_max, "blocked_scan_applies", lambda x: False)
+    monkeypatch.setattr(clustering, "host_loop_applies", lambda scores: False)
+    attn = build(name, causal, seq_len=L, block_size=BLOCK, backend="flex").train()
+    pad = pads()[padding]
+    q, k, v = random_qkv(L=L, dtype=torch.float32, seed=9, requires_grad=True)
+    flex_forward(attn, q, k, v, pad)  # the first step builds the static layout (an eager, outside-the-step build)
+    with NoHostReads():
+        out = flex_forward(attn, q, k, v, pad)
+        (out * torch.randn_like(out)).sum().backward()
+    assert q.grad is not None
+
+
+def test_the_check_catches_host_reads():
+    x = torch.randn(4)
+    for read in (lambda: x.sum().item(), lambda: bool(x[0] > 0), lambda: x[x > 0], lambda: torch.bincount(x.long().abs()),
+                 lambda: x.cpu(), lambda: x.nonzero()):
+        with pytest.raises(AssertionError, match="host"), NoHostReads():
+            read()
+
+
+def test_block_masks_are_built_once_per_geometry_for_every_layer_model_and_step():
+    """Layers share one static layout per geometry, and so does a second model with another layer count; steps
+    and padded batches rebuild nothing (a padded batch reuses the tiles with its own mask_mod)."""
+    from longseq.models.transformer import Transformer
+
+    def model(n_layers):
+        return Transformer(vocab_size=11, seq_len=L, n_layers=n_layers, d_model=16, n_heads=2, dropout=0.0,
+                           attn_dropout=0.0, attention={"name": "combiner_fixed", "causal": True, "block_size": BLOCK,
+                                                        "backend": "flex"}, pos_emb="learned", image_shape=None).eval()
+
+    block_masks.clear_registry()
+    tokens = torch.randint(0, 11, (2, L))
+    with torch.no_grad():
+        before = BUILDS["block_masks"]
+        model(3)(tokens)
+        first = BUILDS["block_masks"] - before
+        assert first == 1  # one call, one mask, for all three layers
+        second = model(2)
+        second(tokens)
+        second(tokens)
+        assert BUILDS["block_masks"] - before == first
+        layers = [m for m in second.modules() if getattr(m, "name", None) == "combiner_fixed"]
+        assert len({id(next(iter(layer.flex_layouts.values()))) for layer in layers}) == 1
+        pad = pads()["padded"]
+        layer = layers[0]
+        q, k, v = random_qkv(L=L, D=8, dtype=torch.float32, seed=10)
+        layer(q, k, v, key_padding_mask=pad)
+        padded_builds = BUILDS["block_masks"]
+        layer(q, k, v, key_padding_mask=~pad)  # another padding: the same tiles, another mask_mod
+        assert BUILDS["block_masks"] == padded_builds
+
+
+COMBINER_FLEX = sorted({name for name, _ in FLEX_CASES if ATTENTION_REGISTRY[name].cls.family == "combiner"})
+
+
+@pytest.mark.parametrize("name", COMBINER_FLEX)
+def test_bytes_saved_for_backward_outside_the_flex_call(name, flex_stand_in, monkeypatch):
+    """The issue's memory proxy at L = 16,384 (D 64, bf16, causal): the bytes one layer keeps for its backward
+    outside the flex calls (saved-tensor hooks; the calls a stand-in; parameters and the layer's q, k, v not
+    counted), divided by L * D * element size per head, at most 20 (before: 15 / 58 / 140 / 213 for fixed /
+    axial / logsparse / mixture). One head (every saved tensor holds heads side by side, so the ratio is the
+    same for H = 8). Block masks are not built: the stand-in never reads them."""
+    L_long, H, D = 16384, 1, 64
+    for module in (block_masks, engine):  # static layouts, and the per-batch masks of k-means layouts
+        monkeypatch.setattr(module, "build_block_mask", lambda *args, **kwargs: None)
+    monkeypatch.setattr(block_masks, "_REGISTRY", {})
+    attn = build(name, True, seq_len=L_long, block_size=128, n_heads=H, head_dim=D, backend="flex")
+    attn = attn.to(torch.bfloat16).train()
+    q, k, v = random_qkv(B=1, H=H, L=L_long, D=D, dtype=torch.bfloat16, seed=11, requires_grad=True)
+    own = {x.untyped_storage()._cdata for x in (q, k, v, *attn.parameters())}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage._cdata not in own:
+            saved[storage._cdata] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = flex_forward(attn, q, k, v)
+    out.sum().backward()
+    per_head = L_long * D * q.element_size() * H
+    assert sum(saved.values()) / per_head <= 20
+
+
+def test_the_compiled_layer_frame_keeps_a_recompile_per_layout_and_length():
+    """dynamo's default limit (8 recompiles) sent later layouts to eager, dense masks on an H200: making the compiled
+    function raises it to ``FLEX_RECOMPILE_LIMIT`` (never lowers a higher one)."""
+    import torch._dynamo
+
+    for before, after in ((8, engine.FLEX_RECOMPILE_LIMIT), (500, 500)):
+        with torch._dynamo.config.patch(recompile_limit=before):  # restored on exit
+            engine._compiled.cache_clear()
+            engine._compiled(engine.run_layer)
+            assert torch._dynamo.config.recompile_limit == after >= 64
+    engine._compiled.cache_clear()
+
+
+def test_static_layouts_pad_keys_to_whole_tiles():
+    """Every call's KV is a whole number of tiles (its slots past the keys and summaries masked), so no kernel ever
+    materializes a ragged last tile (combiner_logsparse at 65,536: KV 98,303 cost a dense Q x KV mask on an H200)."""
+    attn = build("combiner_logsparse", True, seq_len=256, block_size=BLOCK)
+    layout = static_layout(attn, 256, torch.device("cpu"), tile_size(256))
+    (call,) = layout.calls
+    assert call.kv_len(256) % layout.tile and layout.kv_lens[0] % layout.tile == 0
+    dense = create_mask(call.mask_mod(256), 1, 1, 256, layout.kv_lens[0], "cpu")
+    assert not dense[..., call.kv_len(256) :].any()
+
+
+@requires_cuda
+@pytest.mark.parametrize("name,causal", FLEX_CASES)
+def test_compiled_flex_on_cuda_forward_and_gradients(name, causal):
+    """On CUDA the compiled layer (block skipping, forward and backward): output and q, k, v gradients against
+    the dense reference ``attention_matrix @ v`` (fp32, ratio-free tolerance of a fused kernel)."""
+    # D = 16: the compiled kernels' narrowest width (dispatch.FLEX_MIN_WIDTH)
+    attn = build(name, causal, seq_len=L, block_size=BLOCK, head_dim=16).eval().cuda()
+    q, k, v = (x.cuda().requires_grad_() for x in random_qkv(L=L, D=16, dtype=torch.float32, seed=4))
+    grad = torch.randn_like(q)
+    out = flex_forward(attn, q, k, v)
+    flex_grads = torch.autograd.grad(out, (q, k, v), grad)
+    ref = attn.attention_matrix(q, k, v) @ v
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+    torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)
+    for got, want in zip(flex_grads, ref_grads):
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)

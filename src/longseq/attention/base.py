@@ -30,22 +30,19 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 
 import torch
 from torch import nn
 
+from longseq.attention.errors import (  # noqa: F401  (re-exported: the contract's errors and knob checks)
+    AttentionConfigError,
+    DecodingNotSupported,
+    check_int_knob,
+    divisors,
+)
 from longseq.attention.ops import dispatch
 from longseq.attention.ops.amp import autocast_dtype
 from longseq.attention.ops.cpu.memory import heads_in_group
-
-
-class AttentionConfigError(ValueError):
-    """An attention was asked for something it cannot do; the message names the key and valid values."""
-
-
-class DecodingNotSupported(AttentionConfigError):
-    """The variant (or its bidirectional build) has no incremental decoding state; sampling recomputes."""
 
 
 class Attention(nn.Module):
@@ -118,6 +115,7 @@ class Attention(nn.Module):
         self.backend = backend
         self.backends_used: dict[str, str] = {}  # backend -> how it was chosen, filled by calls (``ops.dispatch``)
         self._flex_reason: tuple[str | None] | None = None  # cached by ``check_backend``
+        self.flex_layouts: dict = {}  # this module's static flex layouts (``ops.flex.static_layout``), not state
 
     # -- capabilities -------------------------------------------------------------------------
     def requires_len_multiple_of(self) -> int:
@@ -159,7 +157,7 @@ class Attention(nn.Module):
 
     def dispatch_variant(self) -> dispatch.Variant:
         """The static facts the dispatch decides on."""
-        flex = self._flex_reason[0] if self._flex_reason is not None else dispatch.flex_reason(self)
+        flex = self._flex_reason[0] if self._flex_reason is not None else self.flex_reason()
         return dispatch.Variant(self.name, self.family, self.causal, self.cpu_flash, flex)
 
     def check_backend(self) -> None:
@@ -167,11 +165,54 @@ class Attention(nn.Module):
         the variant is built); caches the flex layout check. Building attentions starts a new run for the
         once-per-run log of the choices (``ops.dispatch.log_choice``)."""
         dispatch.new_run()
-        self._flex_reason = (dispatch.flex_reason(self),)
+        self._flex_reason = (self.flex_reason(),)
         if self.backend != "auto":
             reason = dispatch.static_reason(self.backend, self.dispatch_variant())
             if reason is not None:
                 raise AttentionConfigError(dispatch.refusal(self.backend, reason))
+
+    # -- the flex layout (``ops.flex``): a variant with one overrides ``flex_calls`` and ``flex_summaries`` (or, when
+    # its masks depend on the batch, sets ``flex_from_data`` and overrides ``flex_data_calls``) ---------------------
+    flex_from_data: bool = False
+
+    def flex_calls(self, length: int, device: torch.device) -> list:
+        """The flex calls (``ops.flex.FlexCall``: masks and orders, no tensors of the batch) at ``length``."""
+        raise NotImplementedError
+
+    def flex_data_calls(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None) -> list:
+        """The flex calls of this batch (``flex_from_data``: masks that read k-means clusters); ``real`` ``(B, L)``."""
+        raise NotImplementedError
+
+    def flex_summaries(self, index: int, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       real: torch.Tensor | None):
+        """Summary keys ``(B, H, R, D)``, values ``(B, H, R, Dv)`` and ``occupied`` (``(B, R)`` or ``(B, H, R)`` bool:
+        the region holds a real key; None unpadded) of call ``index``, from scaled queries and keys, values in
+        sequence order; ``real`` ``(B, L)`` (True = real key) or None."""
+        raise NotImplementedError
+
+    @classmethod
+    def flex_reason(cls) -> str | None:
+        """Why this variant has no flex layout (None: it has one); a property of the class, so the benchmark asks
+        before building a variant that may hold an (L, L) parameter."""
+        if cls.family == "dense":
+            return "full attention stays on SDPA (FlashAttention), which needs no mask"
+        if cls.flex_calls is Attention.flex_calls and cls.flex_data_calls is Attention.flex_data_calls:
+            if cls.family == "efficient":
+                return f"'{cls.name}' is not a partition of keys (an efficient approximation): no block mask describes it"
+            return f"no flex layout is written for attention '{cls.name}' yet"
+        return None
+
+    def flex_key(self) -> tuple:
+        """What the variant's flex calls depend on: its class and every plain-valued knob, so that modules of the same
+        geometry share one static layout (``ops.flex.static_layout``) and any difference gets its own."""
+        knobs = sorted((name, value) for name, value in vars(self).items()
+                       if not name.startswith("_") and name != "training"
+                       and isinstance(value, (bool, int, float, str, type(None))))
+        return (type(self).__module__, type(self).__qualname__, *knobs)
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+        return {**state, "flex_layouts": {}}  # block masks hold mask_mod closures: rebuilt, never pickled or copied
 
     def backend_for(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     key_padding_mask: torch.Tensor | None = None, *, record: bool = False) -> str:
@@ -287,16 +328,3 @@ def _dispatching(forward):
 
     dispatched.dispatches = True
     return dispatched
-
-
-def divisors(n: int) -> list[int]:
-    """All positive divisors of ``n`` (used in error messages listing valid block sizes)."""
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def check_int_knob(value, key: str, minimum: int = 1) -> int:
-    """The one validation of an integer knob (a window, a count, a number of iterations): an integer, not a bool,
-    at least ``minimum``. Returns it as ``int``; raises ``AttentionConfigError`` naming ``key``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise AttentionConfigError(f"{key} must be an integer >= {minimum}, got {value!r}")
-    return int(value)

@@ -31,6 +31,8 @@ from typing import Any, Callable
 
 import torch
 
+from longseq.utils.compiling import compile_module, new_step
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -54,6 +56,7 @@ class CellSpec:
     threads: int | None = None
     seed: int = 0
     allocator: str = "glibc"
+    compile: str = "none"  # none: the module as training calls it; else a torch.compile mode for the whole module
 
 
 @dataclass
@@ -123,11 +126,6 @@ def is_oom(error: BaseException) -> bool:
 
 
 # -- the measurement ---------------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def prime_runtime(device: torch.device, dtype: torch.dtype) -> None:
     """Run a tiny SDPA forward/backward so one-off runtime costs happen before the memory baseline
     rather than inside the cell: on CPU the first backward from a non-scalar output gradient costs about
@@ -179,6 +177,7 @@ def measure_cell(spec: CellSpec, report: Callable[[str, Any], None] = lambda kin
         return CellResult("error", note=f"build: {type(error).__name__}: {error}".splitlines()[0])
     train = spec.mode == "fwd_bwd"
     attention.train(train)
+    module = compile_module(attention, spec.compile)
     shape = (spec.batch, spec.heads, spec.length, spec.head_dim)
     try:
         q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=train) for _ in range(3))
@@ -187,14 +186,15 @@ def measure_cell(spec: CellSpec, report: Callable[[str, Any], None] = lambda kin
         return CellResult("oom" if is_oom(error) else "error", note=f"inputs: {error}".splitlines()[0])
 
     def step() -> None:
+        new_step(spec.compile)
         if train:
-            out = attention(q, k, v)
+            out = module(q, k, v)
             out.backward(grad_out)
             for tensor in (q, k, v, *attention.parameters()):
                 tensor.grad = None
         else:
             with torch.no_grad():
-                attention(q, k, v)
+                module(q, k, v)
 
     input_bytes = 4 * q.numel() * q.element_size() + sum(p.numel() * p.element_size() for p in attention.parameters())
     prime_runtime(device, dtype)
@@ -320,20 +320,13 @@ def flex_tiles(registry_name: str, length: int, kwargs: dict[str, Any], tile: in
     by causal full attention's (``ops.flex.flex_tiles_visited``; counted from the ``BlockMask``s, nothing runs), and
     a note: NaN with the reason where the variant has no flex layout or cannot be built."""
     from longseq.attention import ATTENTION_REGISTRY, build_attention
-    from longseq.attention.ops.flex import (
-        flex_tiles_visited,
-        flex_unsupported_reason,
-        unsupported_variant_reason,
-    )
+    from longseq.attention.ops.flex import flex_tiles_visited
 
     try:
-        reason = unsupported_variant_reason(registry_name, ATTENTION_REGISTRY[registry_name].cls.family)
+        reason = ATTENTION_REGISTRY[registry_name].cls.flex_reason()
         if reason is not None:  # no module built: some hold (L, L) parameters (synthesizer)
             return math.nan, reason
         attention = build_attention(registry_name, **kwargs)
-        reason = flex_unsupported_reason(attention)
-        if reason is not None:
-            return math.nan, reason
         value = flex_tiles_visited(attention, length, tile=tile)
         return value, "" if not math.isnan(value) else "its block masks depend on the batch (k-means clusters)"
     except Exception as error:  # one variant's failure is a note, not a stopped sweep

@@ -11,14 +11,25 @@ a CUDA machine in one command and write one markdown report.
 2. The Fig. 3 benchmark: the bench's cells (``bench.cell.measure_cell``, ``bench.specs.build_spec``) per shape,
    ratios to ``full`` (SDPA: FlashAttention on CUDA), peak memory (``torch.cuda.max_memory_allocated`` above the
    inputs), and the crossover length from which each variant stays faster than full.
-3. Training: a few optimizer steps of the backbone on the CIFAR-10 density geometry with synthetic tokens under
-   ``torch.autocast(bf16)`` (what Lightning's ``precision=bf16-mixed`` does): tokens/s, peak memory, MFU.
-4. DDP: the same steps under ``DistributedDataParallel`` over every visible GPU when there are >= 2 (nccl), one
+3. Where the time goes, per layer (``profile``): wall time of a fwd + bwd step against the time the GPU is busy
+   (``torch.profiler``: the sum of its kernels), kernels (GPU ops) per step, host syncs per step
+   (``torch.cuda.set_sync_debug_mode``), block masks built per step (``ops.flex.BUILDS``), peak memory; each as
+   the module is called and compiled whole with CUDA graphs (``profile.compile``).
+4. Training: a few optimizer steps of the backbone on the image density geometries (CIFAR-10's 3,072 and
+   ImageNet-64's 12,288 tokens) with synthetic tokens under ``torch.autocast(bf16)`` (what Lightning's
+   ``precision=bf16-mixed`` does), eager and ``torch.compile``d (``train.compile``: its modes): tokens/s, peak
+   memory, MFU.
+5. DDP: the same steps under ``DistributedDataParallel`` over every visible GPU when there are >= 2 (nccl), one
    process per GPU; gradients must agree across ranks (parameters equal after the steps).
-5. ``<out_dir>/<timestamp>/report.md`` (device, versions, every figure), ``results.json``, ``config.yaml``.
+6. ``<out_dir>/<timestamp>/report.md`` (device, versions, every figure), ``results.json``, ``config.yaml``.
 
-``dry=true`` runs every stage on CPU at tiny sizes (``presets.dry``; DDP as gloo processes), so the pipeline is
-exercised by the fast suite. Exit status 1 when a correctness check or DDP fails.
+Compilation dominates a short lease (each variant, length and dtype compiles its own kernels), so with
+``workers > 1`` every stage's compilation runs first in that many processes at once (``warm_up``): the correctness
+rows come from them directly, and the timed stages then run alone in this process on inductor's on-disk caches.
+
+``preset=quick`` fits one H100 / H200 lease (about 5 minutes, compilation included); ``dry=true`` runs every stage
+on CPU at tiny sizes (``presets.dry``; DDP as gloo processes), so the pipeline is exercised by the fast suite. Exit
+status 1 when a correctness check or DDP fails.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import socket
 import statistics
 import time
@@ -39,6 +51,7 @@ from omegaconf import DictConfig, OmegaConf
 from longseq.bench import cell as cells
 from longseq.bench import report
 from longseq.bench.specs import build_spec, select_attentions
+from longseq.utils.compiling import COMPILE_MODES, compile_module, new_step
 
 # Peak dense bf16 tensor FLOP/s of known devices (vendor data sheets, no sparsity), matched against
 # ``torch.cuda.get_device_name`` in order (the first substring found wins); an unknown device gets no MFU.
@@ -54,7 +67,7 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 PASSED = ("pass", "pass*", "n/a")  # pass*: a pattern_from_data variant judged by its own attention_matrix
-SECTIONS = ("## Device", "## Correctness", "## Fig. 3 benchmark", "## Training", "## DDP")
+SECTIONS = ("## Device", "## Correctness", "## Fig. 3 benchmark", "## Where the time goes", "## Training", "## DDP")
 
 
 # -- what to check --------------------------------------------------------------------------------------------
@@ -254,55 +267,88 @@ def _error_text(error: BaseException) -> str:
 
 
 # -- 2. the Fig. 3 benchmark ----------------------------------------------------------------------------------
+def _modes(value: Any) -> list[str]:
+    """A config entry of one or several items as a list (``mode: fwd_bwd`` or ``mode: [fwd, fwd_bwd]``)."""
+    return [str(value)] if isinstance(value, (str, bool)) else [str(v) for v in value]
+
+
+def compile_modes(value: Any) -> list[str]:
+    """``fig3.compile`` / ``train.compile`` / ``profile.compile`` as modes (``false`` = none, ``true`` = default),
+    each checked against ``COMPILE_MODES``."""
+    modes = ["none" if v in (False, "false", "False") else "default" if v in (True, "true", "True") else str(v)
+             for v in ([value] if isinstance(value, (str, bool)) else list(value))]
+    for mode in modes:
+        if mode not in ("none", *COMPILE_MODES):
+            raise SystemExit(f"compile: '{mode}' unknown; valid: none, {', '.join(COMPILE_MODES)} (or true / false)")
+    return modes
+
+
+def fig3_cells(cfg: DictConfig, device: str, names: list[str], shape) -> list[tuple[dict[str, Any], Any]]:
+    """Every (row, cell spec or skip result) of one shape for ``names``, in the order the stage runs them."""
+    spec_cfg = cfg.fig3
+    out = []
+    for name in names:
+        for length in sorted(int(n) for n in spec_cfg.lengths):
+            spec = build_spec(name, length, causal=bool(spec_cfg.causal), n_heads=int(shape.heads),
+                              head_dim=int(shape.head_dim), block_size=spec_cfg.block_size)
+            for mode in _modes(spec_cfg.mode):
+                for compile_mode in compile_modes(spec_cfg.get("compile", "none")):
+                    row = {"attention": name, "length": length, "mode": mode, "compile": compile_mode,
+                           "causal": spec.causal, "block_size": spec.block_size, "batch": int(shape.batch),
+                           "heads": int(shape.heads), "head_dim": int(shape.head_dim), "dtype": str(spec_cfg.dtype),
+                           "device": device}
+                    if spec.skip_reason:
+                        out.append((row, cells.CellResult("skipped", note=spec.skip_reason)))
+                        continue
+                    out.append((row, cells.CellSpec(
+                        attention=spec.registry_name, length=length, mode=mode, kwargs=spec.kwargs,
+                        batch=int(shape.batch), heads=int(shape.heads), head_dim=int(shape.head_dim),
+                        dtype=str(spec_cfg.dtype), device=device, warmup=int(spec_cfg.warmup),
+                        repeats=int(spec_cfg.repeats), budget_s=float(spec_cfg.budget_s), seed=int(cfg.seed),
+                        compile=compile_mode)))
+    return out
+
+
 def run_fig3(cfg: DictConfig, device: str) -> list[list[dict[str, Any]]]:
     """One list of bench rows per shape (``fig3.shapes``), with ``ratio_to_full`` (the bench's cells and ratios)."""
-    spec_cfg = cfg.fig3
-    names = _names(spec_cfg.attentions)
-    modes = [spec_cfg.mode] if isinstance(spec_cfg.mode, str) else list(spec_cfg.mode)
+    names = _names(cfg.fig3.attentions)
     tables = []
-    for shape in spec_cfg.shapes:
+    for shape in cfg.fig3.shapes:
         rows: list[dict[str, Any]] = []
-        for name in names:
-            fresh_compiles(device)
-            stopped: dict[str, cells.CellResult] = {}
-            for length in sorted(int(n) for n in spec_cfg.lengths):
-                spec = build_spec(name, length, causal=bool(spec_cfg.causal), n_heads=int(shape.heads),
-                                  head_dim=int(shape.head_dim), block_size=spec_cfg.block_size)
-                for mode in modes:
-                    row = {"attention": name, "length": length, "mode": mode, "causal": spec.causal,
-                           "block_size": spec.block_size, "batch": int(shape.batch), "heads": int(shape.heads),
-                           "head_dim": int(shape.head_dim), "dtype": str(spec_cfg.dtype), "device": device}
-                    if spec.skip_reason:
-                        result = cells.CellResult("skipped", note=spec.skip_reason)
-                    elif mode in stopped:
-                        result = stopped[mode]
-                    else:
-                        cell = cells.CellSpec(
-                            attention=spec.registry_name, length=length, mode=mode, kwargs=spec.kwargs,
-                            batch=int(shape.batch), heads=int(shape.heads), head_dim=int(shape.head_dim),
-                            dtype=str(spec_cfg.dtype), device=device, warmup=int(spec_cfg.warmup),
-                            repeats=int(spec_cfg.repeats), budget_s=float(spec_cfg.budget_s), seed=int(cfg.seed))
-                        if device.startswith("cuda"):
-                            # one untimed cell first: torch.compile of the flex kernels for this shape happens there,
-                            # not in the timed cell's first iteration (which the budget judges)
-                            cells.measure_cell(dataclasses.replace(cell, warmup=1, repeats=0, budget_s=math.inf))
-                        result = cells.measure_cell(cell)
-                        if result.status in ("oom", "over_budget"):
-                            stopped[mode] = cells.CellResult(result.status, note=f"not run: {result.status} at L={length}")
-                    row.update(result.as_dict())
-                    rows.append(row)
-                    if device.startswith("cuda"):
-                        torch.cuda.empty_cache()
+        stopped: dict[tuple, cells.CellResult] = {}
+        for row, cell in fig3_cells(cfg, device, names, shape):
+            key = (row["attention"], row["mode"], row["compile"])
+            if row["attention"] != (rows[-1]["attention"] if rows else None):
+                fresh_compiles(device)
+            if isinstance(cell, cells.CellResult):
+                result = cell
+            elif key in stopped:
+                result = stopped[key]
+            else:
+                if device.startswith("cuda"):
+                    # one untimed cell first: compilation for this shape happens there, not in the timed cell's first
+                    # iteration (which the budget judges); with warm_up's workers it is a cache hit
+                    cells.measure_cell(dataclasses.replace(cell, warmup=1, repeats=0, budget_s=math.inf))
+                result = cells.measure_cell(cell)
+                if result.status in ("oom", "over_budget"):
+                    stopped[key] = cells.CellResult(result.status, note=f"not run: {result.status} at L={row['length']}")
+            row.update(result.as_dict())
+            rows.append(row)
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
         report.add_ratios(rows)
         tables.append(rows)
     return tables
 
 
-def crossover(rows: list[dict[str, Any]], name: str, mode: str) -> int | None:
+def crossover(rows: list[dict[str, Any]], name: str, mode: str, compile_mode: str = "none") -> int | None:
     """The shortest measured length from which ``name`` is faster than full at every longer measured length (None:
     never, or nothing measured). A length where full did not run (oom) counts as faster when the variant ran."""
-    cells_ = sorted((r for r in rows if r["attention"] == name and r["mode"] == mode), key=lambda r: r["length"])
-    full = {r["length"]: r for r in rows if r["attention"] == "full" and r["mode"] == mode}
+    def same(r):
+        return r["mode"] == mode and r.get("compile", "none") == compile_mode
+
+    cells_ = sorted((r for r in rows if r["attention"] == name and same(r)), key=lambda r: r["length"])
+    full = {r["length"]: r for r in rows if r["attention"] == "full" and same(r)}
     answer = None
     for row in reversed(cells_):
         reference = full.get(row["length"])
@@ -314,33 +360,125 @@ def crossover(rows: list[dict[str, Any]], name: str, mode: str) -> int | None:
     return answer
 
 
-# -- 3. training ---------------------------------------------------------------------------------------------
-def _model(cfg: DictConfig, name: str, device: str) -> torch.nn.Module:
+# -- 3. where the time goes ----------------------------------------------------------------------------------
+def profile_layer(cfg: DictConfig, name: str, compile_mode: str, device: str) -> dict[str, Any]:
+    """One attention layer's fwd + bwd step at ``profile.length`` (``profile`` shape, bf16, causal): median wall
+    time, GPU-busy time and GPU ops per step from ``torch.profiler``, host syncs per step (CUDA's sync debug mode;
+    on CPU not counted), block masks built per step, peak memory above the inputs."""
+    import warnings
+
+    from longseq.attention import build_attention
+    from longseq.attention.ops.flex import BUILDS
+
+    spec_cfg = cfg.profile
+    L = int(spec_cfg.length)
+    spec = build_spec(name, L, causal=True, n_heads=int(spec_cfg.heads), head_dim=int(spec_cfg.head_dim),
+                      block_size=spec_cfg.block_size)
+    row: dict[str, Any] = {"attention": name, "compile": compile_mode, "length": L, "status": "ok", "note": ""}
+    if spec.skip_reason:
+        return {**row, "status": "skipped", "note": spec.skip_reason}
+    dtype = cells.DTYPES[str(spec_cfg.dtype)]
+    torch.manual_seed(int(cfg.seed))
+    attention = build_attention(spec.registry_name, **spec.kwargs).to(device=device, dtype=dtype).train()
+    module = compile_module(attention, compile_mode)
+    shape = (int(spec_cfg.batch), int(spec_cfg.heads), L, int(spec_cfg.head_dim))
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad_out = torch.randn(shape, device=device, dtype=dtype)
+    dev = torch.device(device)
+
+    def step() -> None:
+        new_step(compile_mode)
+        module(q, k, v).backward(grad_out)
+        for tensor in (q, k, v, *attention.parameters()):
+            tensor.grad = None
+
+    for _ in range(int(spec_cfg.warmup)):
+        step()
+    cells._sync(dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        baseline = torch.cuda.memory_allocated(dev)
+    before = BUILDS["block_masks"]
+    times = []
+    for _ in range(int(spec_cfg.repeats)):
+        cells._sync(dev)
+        start = time.perf_counter()
+        step()
+        cells._sync(dev)
+        times.append(time.perf_counter() - start)
+    row["block_masks_per_step"] = (BUILDS["block_masks"] - before) / len(times)
+    row["wall_ms"] = statistics.median(times) * 1e3
+    if dev.type == "cuda":
+        row["peak_mem_mb"] = (torch.cuda.max_memory_allocated(dev) - baseline) / 2**20
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        row["host_syncs_per_step"] = sum("synchroniz" in str(w.message) for w in caught)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if dev.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    steps = max(1, int(spec_cfg.profiled))
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(steps):
+            step()
+        cells._sync(dev)
+    kernels = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    row["gpu_ops_per_step"] = len(kernels) / steps
+    row["gpu_busy_ms"] = sum(e.time_range.elapsed_us() for e in kernels) / steps / 1e3
+    if dev.type == "cuda" and row["wall_ms"] > 0:
+        row["busy_share"] = row["gpu_busy_ms"] / row["wall_ms"]
+    return row
+
+
+def run_profile(cfg: DictConfig, device: str) -> list[dict[str, Any]]:
+    """``profile_layer`` for every attention of ``profile.attentions`` and compile mode of ``profile.compile``."""
+    rows = []
+    for name in _names(cfg.profile.attentions):
+        for compile_mode in compile_modes(cfg.profile.compile):
+            fresh_compiles(device)
+            try:
+                rows.append(profile_layer(cfg, name, compile_mode, device))
+            except Exception as error:
+                rows.append({"attention": name, "compile": compile_mode, "length": int(cfg.profile.length),
+                             "status": "oom" if cells.is_oom(error) else "error", "note": _error_text(error)})
+            print(f"  profile {name} {compile_mode}: " + ", ".join(
+                f"{k} {_fmt(v, '.3g')}" for k, v in rows[-1].items() if isinstance(v, float)), flush=True)
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    return rows
+
+
+# -- 4. training ---------------------------------------------------------------------------------------------
+def _model(cfg: DictConfig, name: str, device: str, seq_len: int, block_size: int) -> torch.nn.Module:
     from longseq.models.transformer import Transformer
 
-    spec = build_spec(name, int(cfg.seq_len), causal=True, n_heads=int(cfg.n_heads),
-                      head_dim=int(cfg.d_model) // int(cfg.n_heads), block_size=int(cfg.block_size))
+    spec = build_spec(name, seq_len, causal=True, n_heads=int(cfg.n_heads), head_dim=int(cfg.d_model) // int(cfg.n_heads),
+                      block_size=block_size)
     if spec.skip_reason:
         raise ValueError(spec.skip_reason)
     attention = {k: v for k, v in spec.kwargs.items() if k not in {"seq_len", "n_heads", "head_dim", "dropout"}}
     torch.manual_seed(0)
-    return Transformer(vocab_size=int(cfg.vocab_size), seq_len=int(cfg.seq_len), n_layers=int(cfg.n_layers),
+    return Transformer(vocab_size=int(cfg.vocab_size), seq_len=seq_len, n_layers=int(cfg.n_layers),
                        d_model=int(cfg.d_model), n_heads=int(cfg.n_heads), mlp_ratio=cfg.mlp_ratio, dropout=0.0,
                        attn_dropout=0.0, attention={"name": spec.registry_name, **attention}, pos_emb="learned",
                        image_shape=None).to(device)
 
 
-def model_flops_per_token(model: torch.nn.Module, cfg: DictConfig) -> float:
+def model_flops_per_token(model: torch.nn.Module, cfg: DictConfig, seq_len: int) -> float:
     """Training FLOPs per token as nanoGPT / PaLM count them: ``6 N`` (N = parameters outside the embeddings) plus
     ``12 n_layers d_model L`` for dense attention's two products. The same count for every variant (the work of
     the model, not of its kernels), so MFU compares like throughput."""
     embedding = sum(p.numel() for n, p in model.named_parameters() if "emb" in n or "pos" in n)
     n = sum(p.numel() for p in model.parameters()) - embedding
-    return 6.0 * n + 12.0 * int(cfg.n_layers) * int(cfg.d_model) * int(cfg.seq_len)
+    return 6.0 * n + 12.0 * int(cfg.n_layers) * int(cfg.d_model) * seq_len
 
 
 def _train_steps(model: torch.nn.Module, cfg: DictConfig, device: str, steps: int, warmup: int,
-                 tokens: torch.Tensor) -> float:
+                 tokens: torch.Tensor, compile_mode: str = "none") -> float:
     """Median seconds per AdamW step (next-token loss) under the configured precision."""
     from longseq.bench.throughput import next_token_loss
 
@@ -354,6 +492,7 @@ def _train_steps(model: torch.nn.Module, cfg: DictConfig, device: str, steps: in
         batch = tokens[step % tokens.shape[0]].to(device)
         cells._sync(torch.device(device))
         start = time.perf_counter()
+        new_step(compile_mode)
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16-mixed"):
             loss = next_token_loss(model, batch)
@@ -366,41 +505,121 @@ def _train_steps(model: torch.nn.Module, cfg: DictConfig, device: str, steps: in
     return statistics.median(times[warmup:] or times)
 
 
-def run_training(cfg: DictConfig, device: str, flops: float | None) -> list[dict[str, Any]]:
-    """One row per attention: tokens/s, peak memory (CUDA), MFU (where the device's peak is known)."""
+def train_cases(cfg: DictConfig) -> list[tuple[str, int, int, str]]:
+    """(attention, sequence length, block size, compile mode) of every training row, in the order they run."""
     spec = cfg.train
-    generator = torch.Generator().manual_seed(int(cfg.seed))
+    return [(name, int(geo.seq_len), int(geo.block_size), mode) for geo in spec.geometries
+            for name in _names(spec.attentions) for mode in compile_modes(spec.compile)]
+
+
+def run_training(cfg: DictConfig, device: str, flops: float | None) -> list[dict[str, Any]]:
+    """One row per attention, geometry and compile mode: tokens/s, peak memory (CUDA), MFU (where the device's peak
+    is known)."""
+    spec = cfg.train
     steps, warmup = int(spec.steps), int(spec.warmup)
-    tokens = torch.randint(0, int(spec.vocab_size), (steps + warmup, int(spec.batch), int(spec.seq_len)),
-                           generator=generator)
     rows = []
-    for name in _names(spec.attentions):
-        row: dict[str, Any] = {"attention": name, "seq_len": int(spec.seq_len), "batch": int(spec.batch),
+    for name, seq_len, block_size, compile_mode in train_cases(cfg):
+        generator = torch.Generator().manual_seed(int(cfg.seed))
+        tokens = torch.randint(0, int(spec.vocab_size), (steps + warmup, int(spec.batch), seq_len), generator=generator)
+        row: dict[str, Any] = {"attention": name, "seq_len": seq_len, "compile": compile_mode, "batch": int(spec.batch),
                                "status": "ok", "note": "", "tokens_per_s": math.nan, "peak_mem_mb": math.nan,
                                "mfu": math.nan}
         try:
             fresh_compiles(device)
-            model = _model(spec, name, device)
-            if spec.compile:  # as model.compile=true: the backbone through torch.compile (the warm-up steps compile)
-                model.compile()
+            model = _model(spec, name, device, seq_len, block_size)
+            model = compile_module(model, compile_mode)  # as model.compile=true: the warm-up steps compile
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
-            step_s = _train_steps(model, spec, device, steps, warmup, tokens)
-            row["tokens_per_s"] = int(spec.batch) * int(spec.seq_len) / step_s
+            step_s = _train_steps(model, spec, device, steps, warmup, tokens, compile_mode)
+            row["tokens_per_s"] = int(spec.batch) * seq_len / step_s
             row["step_ms"] = step_s * 1e3
             if device.startswith("cuda"):
                 row["peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
             if flops:
-                row["mfu"] = model_flops_per_token(model, spec) * row["tokens_per_s"] / flops
+                row["mfu"] = model_flops_per_token(model, spec, seq_len) * row["tokens_per_s"] / flops
             del model
         except Exception as error:
             row.update(status="oom" if cells.is_oom(error) else "error", note=_error_text(error))
+        print(f"  train {name} L={seq_len} compile={compile_mode}: {row['status']} "
+              f"{_fmt(row.get('tokens_per_s'), ',.0f')} tokens/s {row['note'][:120]}", flush=True)
         rows.append(row)
     return rows
 
 
-# -- 4. DDP --------------------------------------------------------------------------------------------------
+# -- compiling ahead, in parallel ------------------------------------------------------------------------------
+def warm_up_tasks(cfg: DictConfig) -> list[tuple[str, tuple]]:
+    """The units of compile work of every stage: a correctness attention, a Fig. 3 attention, a profiled attention
+    and mode, a training row. Heavy ones first, so the pool ends together."""
+    tasks = [("correctness", (name,)) for name in _names(cfg.correctness.attentions)]
+    tasks += [("fig3", (name,)) for name in _names(cfg.fig3.attentions)]
+    tasks += [("profile", (name, mode)) for name in _names(cfg.profile.attentions) for mode in compile_modes(cfg.profile.compile)]
+    tasks += [("train", case) for case in train_cases(cfg)]
+    weight = {"train": 0, "fig3": 1, "profile": 2, "correctness": 3}
+    return sorted(tasks, key=lambda task: weight[task[0]])
+
+
+def _warm_worker(cfg_yaml: str, device: str, kind: str, args: tuple, threads: int) -> list[dict[str, Any]]:
+    """One warm-up task in a worker process: runs the stage's code for one unit with the timed repeats cut to one
+    (compilation fills inductor's caches); returns correctness rows (real results), nothing for the others."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = threads
+    cfg = OmegaConf.create(cfg_yaml)
+    if kind == "correctness":
+        cfg.correctness.attentions = [args[0]]
+        return check_correctness(cfg, device)
+    if kind == "fig3":
+        cfg.fig3.attentions = [args[0]]
+        cfg.fig3.repeats, cfg.fig3.warmup = 0, 1
+        for shape in cfg.fig3.shapes:
+            for _, cell in fig3_cells(cfg, device, [args[0]], shape):
+                if isinstance(cell, cells.CellSpec):
+                    cells.measure_cell(dataclasses.replace(cell, budget_s=math.inf))
+                    torch.cuda.empty_cache() if device.startswith("cuda") else None
+        return []
+    if kind == "profile":
+        cfg.profile.repeats, cfg.profile.profiled = 1, 1
+        profile_layer(cfg, args[0], args[1], device)
+        return []
+    name, seq_len, block_size, mode = args
+    cfg.train.attentions, cfg.train.compile = [name], [mode]
+    cfg.train.geometries = [{"seq_len": seq_len, "block_size": block_size}]
+    cfg.train.steps, cfg.train.warmup = 1, 2
+    run_training(cfg, device, None)
+    return []
+
+
+def warm_up(cfg: DictConfig, device: str) -> list[dict[str, Any]]:
+    """Every stage's compilation in ``workers`` processes at once (``warm_up_tasks``) -> the correctness rows, in the
+    configured order. A task that fails is reported by the stage that reruns it, not here."""
+    import concurrent.futures
+    import multiprocessing
+
+    workers = int(cfg.workers)
+    cfg_yaml = OmegaConf.to_yaml(cfg)
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    tasks = warm_up_tasks(cfg)
+    rows: dict[str, list] = {}
+    start = time.perf_counter()
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_warm_worker, cfg_yaml, device, kind, args, threads): (kind, args) for kind, args in tasks}
+        for future in concurrent.futures.as_completed(futures):
+            kind, args = futures[future]
+            try:
+                result = future.result()
+            except Exception as error:  # a crashed worker: the stage reruns the unit and reports it
+                result = []
+                print(f"  warm-up {kind} {args}: {_error_text(error)}", flush=True)
+            if kind == "correctness":
+                rows[args[0]] = result
+                _progress(result, 0, start)
+            else:
+                print(f"  warm-up {kind} {args}: compiled ({time.perf_counter() - start:.0f} s)", flush=True)
+    return [row for name in _names(cfg.correctness.attentions) for row in rows.get(name, [])]
+
+
+# -- 5. DDP --------------------------------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -418,11 +637,13 @@ def _ddp_worker(rank: int, world: int, port: int, cfg_yaml: str, device_type: st
                             rank=rank, world_size=world)
     try:
         device = f"cuda:{rank}" if device_type == "cuda" else "cpu"
-        model = _model(cfg.train, str(cfg.ddp.attention), device)
+        geometry = cfg.train.geometries[0]
+        seq_len = int(geometry.seq_len)
+        model = _model(cfg.train, str(cfg.ddp.attention), device, seq_len, int(geometry.block_size))
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if device_type == "cuda" else None)
         generator = torch.Generator().manual_seed(int(cfg.seed) + rank)  # each rank its own batches
         steps = int(cfg.ddp.steps)
-        tokens = torch.randint(0, int(cfg.train.vocab_size), (steps + 1, int(cfg.train.batch), int(cfg.train.seq_len)),
+        tokens = torch.randint(0, int(cfg.train.vocab_size), (steps + 1, int(cfg.train.batch), seq_len),
                                generator=generator)
         step_s = _train_steps(ddp, cfg.train, device, steps, 1, tokens)
         # DDP averages gradients, so every rank must hold the same parameters after the steps
@@ -435,7 +656,7 @@ def _ddp_worker(rank: int, world: int, port: int, cfg_yaml: str, device_type: st
             Path(out_file).write_text(json.dumps({
                 "world_size": world, "backend": dist.get_backend(), "attention": str(cfg.ddp.attention),
                 "steps": steps, "step_ms": step_s * 1e3,
-                "tokens_per_s": world * int(cfg.train.batch) * int(cfg.train.seq_len) / step_s,
+                "tokens_per_s": world * int(cfg.train.batch) * seq_len / step_s,
                 "param_spread": spread, "status": "pass" if spread == 0.0 else "FAIL"}))
     finally:
         dist.destroy_process_group()
@@ -463,7 +684,7 @@ def run_ddp(cfg: DictConfig, device: str, out: Path) -> dict[str, Any]:
         return {"status": "error", "world_size": world, "note": _error_text(error)}
 
 
-# -- 5. the report -------------------------------------------------------------------------------------------
+# -- 6. the report -------------------------------------------------------------------------------------------
 def _fmt(value: Any, spec: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return ""
@@ -480,29 +701,47 @@ def correctness_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def crossover_table(tables: list[list[dict[str, Any]]], shapes: list[dict[str, Any]], mode: str) -> str:
+def crossover_table(tables: list[list[dict[str, Any]]], shapes: list[dict[str, Any]], mode: str,
+                    compile_mode: str = "none") -> str:
     names = list(dict.fromkeys(r["attention"] for rows in tables for r in rows if r["attention"] != "full"))
     heads = [f"B{s['batch']} H{s['heads']} D{s['head_dim']}" for s in shapes]
     lines = ["| attention | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
     for name in names:
-        values = [crossover(rows, name, mode) for rows in tables]
+        values = [crossover(rows, name, mode, compile_mode) for rows in tables]
         lines.append(f"| {name} | " + " | ".join("never" if v is None else f"L={v}" for v in values) + " |")
     return "\n".join(lines)
 
 
-def training_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| attention | tokens/s | step ms | peak MB | MFU | status |", "|---|---|---|---|---|---|"]
+def profile_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| attention | compile | wall ms | GPU-busy ms | busy share | GPU ops / step | host syncs / step | "
+             "block masks built / step | peak MB | status |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['attention']} | {_fmt(r.get('tokens_per_s'), ',.0f')} | {_fmt(r.get('step_ms'), '.1f')} | "
-                     f"{_fmt(r.get('peak_mem_mb'), ',.0f')} | {_fmt(r.get('mfu'), '.1%')} | "
+        lines.append(f"| {r['attention']} | {r['compile']} | {_fmt(r.get('wall_ms'), '.3f')} | "
+                     f"{_fmt(r.get('gpu_busy_ms'), '.3f')} | {_fmt(r.get('busy_share'), '.0%')} | "
+                     f"{_fmt(r.get('gpu_ops_per_step'), '.0f')} | {_fmt(r.get('host_syncs_per_step'), 'd')} | "
+                     f"{_fmt(r.get('block_masks_per_step'), '.2g')} | {_fmt(r.get('peak_mem_mb'), ',.1f')} | "
                      f"{r['status']}{(': ' + r['note']) if r.get('note') else ''} |")
     return "\n".join(lines)
 
 
-def write_report(out: Path, cfg: DictConfig, env: dict[str, Any], correctness: list, fig3: list, training: list,
-                 ddp: dict[str, Any], flops: float | None) -> str:
+def training_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| attention | L | compile | tokens/s | ratio to full | step ms | peak MB | MFU | status |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    full = {(r["seq_len"], r["compile"]): r.get("tokens_per_s") for r in rows if r["attention"] == "full"}
+    for r in rows:
+        reference = full.get((r["seq_len"], r["compile"]))
+        ratio = r.get("tokens_per_s", math.nan) / reference if reference else math.nan
+        lines.append(f"| {r['attention']} | {r['seq_len']} | {r['compile']} | {_fmt(r.get('tokens_per_s'), ',.0f')} | "
+                     f"{_fmt(ratio, '.2f')} | {_fmt(r.get('step_ms'), '.1f')} | {_fmt(r.get('peak_mem_mb'), ',.0f')} | "
+                     f"{_fmt(r.get('mfu'), '.1%')} | {r['status']}{(': ' + r['note']) if r.get('note') else ''} |")
+    return "\n".join(lines)
+
+
+def write_report(out: Path, cfg: DictConfig, env: dict[str, Any], correctness: list, fig3: list, profile: list,
+                 training: list, ddp: dict[str, Any], flops: float | None) -> str:
     shapes = OmegaConf.to_object(cfg.fig3.shapes)
-    modes = [cfg.fig3.mode] if isinstance(cfg.fig3.mode, str) else list(cfg.fig3.mode)
+    modes = _modes(cfg.fig3.mode)
+    fig3_compile = compile_modes(cfg.fig3.get("compile", "none"))
     counts = {s: sum(r["status"] == s for r in correctness) for s in ("pass", "pass*", "FAIL", "error", "n/a")}
     lines = [f"# longseq gpu-check{' (dry: CPU, tiny sizes)' if cfg.dry else ''}", "",
              "## Device", ""]
@@ -523,23 +762,33 @@ def write_report(out: Path, cfg: DictConfig, env: dict[str, Any], correctness: l
               "warm-up; ms (ratio to full = SDPA) / peak MB above the inputs.", ""]
     for shape, rows in zip(shapes, fig3):
         for mode in modes:
-            lines += [f"### {mode}, B={shape['batch']} H={shape['heads']} D={shape['head_dim']}", "",
-                      report.markdown_table(rows, mode), ""]
+            for compile_mode in fig3_compile:
+                chosen = [r for r in rows if r.get("compile", "none") == compile_mode]
+                lines += [f"### {mode}, B={shape['batch']} H={shape['heads']} D={shape['head_dim']}, module compile: "
+                          f"{compile_mode}", "", report.markdown_table(chosen, mode), ""]
     for mode in modes:
-        lines += [f"### crossover ({mode}): shortest L from which the variant is faster than full", "",
-                  crossover_table(fig3, shapes, mode), ""]
-    t = cfg.train
-    lines += ["## Training", "",
-              f"{t.precision}{', torch.compile' if t.compile else ''}, L={t.seq_len} (CIFAR-10 geometry, synthetic tokens), batch {t.batch}, {t.n_layers} "
-              f"layers d={t.d_model} H={t.n_heads}, AdamW; median of {t.steps} steps after {t.warmup}. MFU = model "
-              "FLOPs (6 N + 12 n_layers d L per token) x tokens/s / peak FLOP/s.", "",
+        for compile_mode in fig3_compile:
+            lines += [f"### crossover ({mode}, compile {compile_mode}): shortest L from which the variant is faster "
+                      "than full", "", crossover_table(fig3, shapes, mode, compile_mode), ""]
+    p, t = cfg.profile, cfg.train
+    lines += ["## Where the time goes", "",
+              f"One layer's fwd + bwd step at L={p.length}, B={p.batch} H={p.heads} D={p.head_dim}, {p.dtype}, causal; "
+              f"median wall time of {p.repeats} steps (the module as training calls it, or compiled whole); GPU-busy "
+              f"time and GPU ops (kernels, copies, fills) from torch.profiler over {p.profiled} steps; host syncs from "
+              "CUDA's sync debug mode over one step; block masks built per step; peak memory above the inputs.", "",
+              profile_table(profile), "",
+              "## Training", "",
+              f"{t.precision}, synthetic tokens, batch {t.batch}, {t.n_layers} layers d={t.d_model} H={t.n_heads}, "
+              f"AdamW; median of {t.steps} steps after {t.warmup}; compile = the backbone through torch.compile with "
+              "that mode (none: eager, the attention layers' own compiled graphs inside). MFU = model FLOPs "
+              "(6 N + 12 n_layers d L per token) x tokens/s / peak FLOP/s.", "",
               training_table(training), "",
               "## DDP", ""]
     lines += [f"- {key}: {value}" for key, value in ddp.items()]
     text = "\n".join(lines) + "\n"
     (out / "report.md").write_text(text)
-    report.write_json({"env": env, "correctness": correctness, "fig3": fig3, "training": training, "ddp": ddp},
-                      out / "results.json")
+    report.write_json({"env": env, "correctness": correctness, "fig3": fig3, "profile": profile, "training": training,
+                       "ddp": ddp}, out / "results.json")
     return text
 
 
@@ -559,20 +808,25 @@ def run_gpu_check(cfg: DictConfig) -> tuple[Path, bool]:
     flops = peak_flops(env.get("gpu")) if device.startswith("cuda") else None
     print(f"gpu-check on {env['gpu'] or env['cpu']} ({device}) -> {out}", flush=True)
     stages: dict[str, float] = {}
-    done: dict[str, Any] = {"correctness": [], "fig3": [], "training": [], "ddp": {"status": "not run yet"}}
+    done: dict[str, Any] = {"correctness": [], "fig3": [], "profile": [], "training": [],
+                            "ddp": {"status": "not run yet"}}
 
     def stage(key: str, title: str, fn, *args) -> None:
         # the report is rewritten after every stage: a run stopped later (a time limit, a lost machine) keeps
         # what it measured
-        print(f"{len(stages) + 1}/4 {title} ...", flush=True)
+        print(f"{len(stages) + 1}/5 {title} ...", flush=True)
         start = time.perf_counter()
         done[key] = fn(*args)
         stages[title] = time.perf_counter() - start
         env["stage_seconds"] = ", ".join(f"{k} {v:.1f}" for k, v in stages.items())
         write_report(out, cfg, env, **done, flops=flops)
 
-    stage("correctness", "correctness", check_correctness, cfg, device)
+    if int(cfg.workers) > 1:  # every stage's compilation at once; the correctness rows come from it
+        stage("correctness", "correctness and compilation in parallel", warm_up, cfg, device)
+    else:
+        stage("correctness", "correctness", check_correctness, cfg, device)
     stage("fig3", "Fig. 3 benchmark", run_fig3, cfg, device)
+    stage("profile", "where the time goes", run_profile, cfg, device)
     stage("training", "training", run_training, cfg, device, flops)
     stage("ddp", "DDP", run_ddp, cfg, device, out)
     correctness, ddp = done["correctness"], done["ddp"]

@@ -79,10 +79,14 @@ def git_commit() -> str | None:
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """``ratio_to_full = ms / full ms`` at the same length and mode, measured in this run."""
-    full_ms = {(r["length"], r["mode"]): r["ms"] for r in rows if r["attention"] == "full" and r["status"] == "ok"}
+    """``ratio_to_full = ms / full ms`` at the same length, mode and compile mode (the GPU check's), measured in this
+    run."""
+    def key(r):
+        return r["length"], r["mode"], r.get("compile", "none")
+
+    full_ms = {key(r): r["ms"] for r in rows if r["attention"] == "full" and r["status"] == "ok"}
     for row in rows:
-        reference = full_ms.get((row["length"], row["mode"]))
+        reference = full_ms.get(key(row))
         ok = row["status"] == "ok" and reference and not math.isnan(row["ms"])
         row["ratio_to_full"] = row["ms"] / reference if ok else math.nan
 

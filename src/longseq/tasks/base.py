@@ -13,6 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from longseq.models.transformer import Transformer
+from longseq.utils.compiling import COMPILE_MODES, new_step
 from longseq.utils.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -122,16 +123,32 @@ class SequenceTask(L.LightningModule):
         self.compile_backbone = model.get("compile", False)
         if not isinstance(self.compile_backbone, bool):
             raise ConfigError("model.compile", f"must be true or false, got {self.compile_backbone!r}")
-        model = {k: v for k, v in model.items() if k not in ("_target_", "compile")}
+        self.compile_mode = model.get("compile_mode", "default")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ConfigError("model.compile_mode", f"{self.compile_mode!r} is not valid; choose one of {COMPILE_MODES}")
+        model = {k: v for k, v in model.items() if k not in ("_target_", "compile", "compile_mode")}
         self.net = Transformer(vocab_size=vocab_size, seq_len=seq_len, attention=attention,
                                image_shape=image_shape, out_dim=out_dim, **model)
 
     def configure_model(self) -> None:
-        """``model.compile=true``: the backbone's forward through ``torch.compile``, once, when the Trainer sets the
-        module up (after subclasses replaced parts such as the classifier's head). In place (``nn.Module.compile``),
-        so parameter names, checkpoints and the decoding methods stay those of the plain backbone."""
+        """``model.compile=true``: the backbone's forward through ``torch.compile`` (with ``model.compile_mode``), once,
+        when the Trainer sets the module up (after subclasses replaced parts such as the classifier's head). In place
+        (``nn.Module.compile``), so parameter names, checkpoints and the decoding methods stay those of the plain
+        backbone."""
         if self.compile_backbone and self.net._compiled_call_impl is None:
-            self.net.compile()
+            self.net.compile(**({} if self.compile_mode == "default" else {"mode": self.compile_mode}))
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._new_graph_step()
+
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._new_graph_step()
+
+    def _new_graph_step(self) -> None:
+        """``model.compile_mode=reduce-overhead``: a new step for CUDA graph trees, so replays may reuse the previous
+        step's output buffers (no "overwritten by a subsequent run" error between training and validation)."""
+        if self.compile_backbone:
+            new_step(self.compile_mode)
 
     def on_train_start(self) -> None:
         # A line in the run's log file marks that signal handlers are installed (used by the SIGTERM test).

@@ -46,6 +46,7 @@ from longseq.attention.base import Attention, AttentionConfigError
 from longseq.attention.ops.cpu.grid_flash import causal_row_column_flash
 from longseq.attention.ops.decoding import PartitionDecoder
 from longseq.attention.ops.dispatch import CpuFlash
+from longseq.attention.ops.flex.calls import FlexCall, column_major, column_order, grid_views, own_column, same_block
 from longseq.attention.ops.geometry import BlockGrid, Grid
 from longseq.attention.ops.joint_softmax import LogitGroup, joint_groups_attention
 from longseq.attention.ops.masks import NEG_INF
@@ -218,6 +219,49 @@ class CombinerAxialRowMajor(BlockGrid, PartitionDecoder, Attention):
         groups = [LogitGroup("row", kr, vr, own_row),
                   LogitGroup("col", summary_k.transpose(2, 3), summary_v.transpose(2, 3), other_rows)]
         return joint_groups_attention(groups, qr, qr.transpose(2, 3).contiguous())
+
+    # -- the flex layout (``ops.flex``) ------------------------------------------------------------------------
+    def flex_calls(self, length: int, device: torch.device) -> list[FlexCall]:
+        """Own row in sequence order; in column order, the summaries of the other (earlier) rows seen from the
+        query's own column (region = row r' summarized by the anchor query (r', c)), merged by log-sum-exp. The
+        column call has no direct keys: its KV is the L anchored summaries in column order."""
+        grid = self.grid(length)
+        order = column_order(grid, device)
+
+        def members():
+            rows = grid.rows(device)
+            return rows[order].unsqueeze(1) == rows.unsqueeze(0)
+
+        return [FlexCall(same_block(grid.n_cols, self.causal)),
+                FlexCall(None, order, length, own_column(grid.n_rows, self.causal), members, lambda: order)]
+
+    def flex_summaries(self, index: int, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       real: torch.Tensor | None):
+        """The anchored row summaries ``(B, H, L, .)`` in column order (slot ``c * n + r'``): unpadded, one SDPA of
+        every query over its own row (``forward_fused``'s); padded, the masked row softmax with padded anchors
+        replaced by their row's first real position (``ops.padding``)."""
+        grid = self.grid(qs.shape[-2])
+        n, m = grid.n_rows, grid.n_cols
+        (qr, kr, vr), real_r = grid_views(grid, qs, k, v, real)
+        if real_r is None:
+            rows4 = [x.reshape(-1, n, m, x.shape[-1]) for x in (qr, kr, vr)]
+            summary_v = F.scaled_dot_product_attention(*rows4, scale=1.0).view(*vr.shape)
+            k_wsum = None
+            if self.row_summary == "wsum":
+                k_wsum = F.scaled_dot_product_attention(*rows4[:2], rows4[1], scale=1.0).view(*kr.shape)
+            summary_k = self.summary_keys(summary_v, kr, k_wsum)
+            return column_major(summary_k), column_major(summary_v), None
+        pad = ~real_r.unsqueeze(-2)  # (B, 1, n, 1, m)
+        empty_row = pad.all(-1, keepdim=True)  # its regions are masked; any finite inner row will do
+        probs = (qr @ kr.transpose(-1, -2)).masked_fill(pad & ~empty_row, NEG_INF).softmax(-1)
+        summary_v = probs @ vr
+        summary_k = self.summary_keys(summary_v, kr, probs @ kr if self.row_summary == "wsum" else None)
+        # a padded anchor's summary is made by its row's first real position (ops.padding)
+        real_rows = real_r[:, 0]
+        anchor = torch.where(real_rows, torch.arange(m, device=qs.device), real_rows.int().argmax(-1, keepdim=True))
+        summary_v, summary_k = (x.gather(3, anchor[:, None, :, :, None].expand_as(x)) for x in (summary_v, summary_k))
+        occupied = real_rows.any(-1, keepdim=True).expand(-1, n, m)  # (B, n[r'], m[c])
+        return column_major(summary_k), column_major(summary_v), column_major(occupied.unsqueeze(-1)).squeeze(-1)
 
     def joint_mask(self, n: int, m: int, device) -> torch.Tensor:
         """(n, m, m + n) bool, True = may attend: [own-row columns (causal: up to self) ; usable rows' summaries]."""

@@ -31,6 +31,7 @@ from longseq.attention.base import Attention
 from longseq.attention.combiner.summary import PooledCombiner, RegionSummary
 from longseq.attention.ops.cpu.segment_flash import SummaryChunk, segment_flash_attention, summary_plan
 from longseq.attention.ops.dispatch import CpuFlash
+from longseq.attention.ops.flex.calls import FlexCall, same_block
 from longseq.attention.ops.geometry import BlockGrid
 from longseq.attention.ops.masks import causal_mask
 from longseq.attention.ops.partition import Partition
@@ -145,6 +146,29 @@ class CombinerFixedAttention(BlockGrid, PooledCombiner, Attention):
         values = torch.cat([vb, v_bar.unsqueeze(1).expand(-1, n, -1, -1)], -2)  # (BH, n, m + n, Dv)
         out = F.scaled_dot_product_attention(qb * scale, keys, values, attn_mask=joint_mask, scale=1.0)
         return out.reshape(B, H, L, -1)
+
+    # -- the flex layout (``ops.flex``): one call over [keys ; the n segment summaries] ---------------------------
+    def flex_calls(self, length: int, device: torch.device) -> list[FlexCall]:
+        grid = self.grid(length)
+        n, m, causal = grid.n_rows, grid.n_cols, self.causal
+
+        def usable(b, h, q, r):
+            return r < q // m if causal else r != q // m
+
+        def members():
+            return grid.rows(device).unsqueeze(0) == torch.arange(n, device=device).unsqueeze(1)
+
+        return [FlexCall(same_block(m, causal), None, n, usable, members)]
+
+    def flex_summaries(self, index: int, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       real: torch.Tensor | None):
+        """Each segment's pooled key and local expectation ``(B, H, n, .)`` (``RegionSummary.region_summaries`` over
+        the segments' real members); ``occupied`` ``(B, n)`` under padding."""
+        B, L = qs.shape[0], qs.shape[-2]
+        n, m = self.grid(L).n_rows, self.block_size
+        member = None if real is None else real.view(B, 1, n, m)
+        k_bar, v_bar = self.summary.region_summaries(*(x.unflatten(-2, (n, m)) for x in (qs, k, v)), member)
+        return k_bar, v_bar, None if member is None else member.any(-1)[:, 0]
 
     def summary_plan(self, n: int, m: int, like: torch.Tensor) -> tuple[SummaryChunk, ...]:
         """The CPU engine's summary chunks (``ops.cpu.segment_flash.summary_plan``), cached per geometry, device

@@ -35,6 +35,7 @@ members instead of hierarchically and runs on autograd (``LevelScores`` / ``Leve
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -42,6 +43,8 @@ import torch
 from longseq.attention.base import Attention
 from longseq.attention.combiner.summary import PooledCombiner, RegionSummary
 from longseq.attention.ops.amp import autocast_function
+from longseq.attention.ops.flex.block_masks import TILE
+from longseq.attention.ops.flex.calls import FlexCall
 from longseq.attention.ops.geometry import fenwick_blocks, num_log_levels
 from longseq.attention.ops.log_levels import (
     LevelMix,
@@ -147,6 +150,54 @@ class CombinerLogsparseAttention(PooledCombiner, Attention):
             out = out + LevelMix.apply(future, vf.flip(1), False, *summaries[1]).flip(1)
         return out.view(B, H, L, -1)
 
+    # -- the flex layout (``ops.flex``): one call over [self and the raw neighbours ; every summarized block] ------
+    def flex_calls(self, length: int, device: torch.device) -> list[FlexCall]:
+        L, causal = length, self.causal
+        level, chunk, future = flex_regions(L, causal, device)
+
+        def direct(b, h, q, kv):
+            ok = (kv == q) | ((kv == q - 1) & (q % 2 == 1))
+            if not causal:
+                ok = ok | ((kv == q + 1) & ((L - 1 - q) % 2 == 1))
+            return ok
+
+        def usable(b, h, q, r):
+            lvl, c, fut = level[r], chunk[r], future[r]
+            p = torch.where(fut, L - 1 - q, q)  # the future of q is the past of L - 1 - q
+            return (((p >> lvl) & 1) == 1) & ((p >> lvl) - 1 == c)
+
+        def members():
+            pos = torch.arange(L, device=device)
+            start = chunk << level
+            inside = (pos.unsqueeze(0) >= start.unsqueeze(1)) & (pos.unsqueeze(0) < (start + (1 << level)).unsqueeze(1))
+            return torch.where(future.unsqueeze(1), inside.flip(-1), inside)
+
+        return [FlexCall(direct, None, level.numel(), usable, members,
+                         summary_order=flex_region_rows(level, chunk, future, L))]
+
+    def flex_summaries(self, index: int, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       real: torch.Tensor | None):
+        """Every summarized block's pooled key and local expectation: per level the even full chunks of the (for the
+        future: reversed) sequence, pooled over real members, level-major (the call's ``summary_order`` puts them in
+        KV order)."""
+        L = qs.shape[-2]
+        levels = range(1, num_log_levels(L))
+        directions = [(qs, k, v, real)]
+        if not self.causal:
+            directions.append((*(x.flip(-2) for x in (qs, k, v)), None if real is None else real.flip(-1)))
+        k_rows, v_rows, occupied = [], [], []
+        for dq, dk, dv, dreal in directions:
+            for lvl in levels:
+                size, count = 1 << lvl, L >> lvl
+                blocks = [x[..., : count * size, :].unflatten(-2, (count, size))[:, :, ::2] for x in (dq, dk, dv)]
+                member = None if dreal is None else dreal[:, : count * size].view(-1, 1, count, size)[:, :, ::2]
+                k_bar, v_bar = self.summary.region_summaries(*blocks, member)
+                k_rows.append(k_bar)
+                v_rows.append(v_bar)
+                if member is not None:
+                    occupied.append(member.any(-1)[:, 0])
+        return torch.cat(k_rows, -2), torch.cat(v_rows, -2), None if real is None else torch.cat(occupied, -1)
+
     def padded_summaries(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor, batch: int,
                          scale: float) -> tuple[list, list, torch.Tensor]:
         """``summaries`` over the real members of each block (``real`` (B, L) bool, True = real key) plus ``usable``
@@ -193,6 +244,42 @@ class CombinerLogsparseAttention(PooledCombiner, Attention):
             direct[1 + levels] = True  # next token
         allowed = torch.where(allowed.any(2, keepdim=True), allowed, (logits > NEG_INF) & direct)
         return logits.masked_fill(~allowed, NEG_INF)
+
+
+@functools.cache
+def _flex_regions(L: int, causal: bool) -> torch.Tensor:
+    rows = []
+    for future in ([False] if causal else [False, True]):
+        for level in range(1, num_log_levels(L)):
+            for chunk in range(0, L >> level, 2):
+                first_user = (chunk + 1) << level
+                if future:  # users of the mirrored block, in sequence order: L - 1 - p for p in the users
+                    first_user = L - min(L, (chunk + 2) << level)
+                big = (1 << level) >= TILE
+                rows.append(((big, first_user, level, future), (level, chunk, future)))
+    rows.sort(key=lambda row: row[0])
+    return torch.tensor([row[1] for row in rows], dtype=torch.long).view(-1, 3)
+
+
+def flex_regions(L: int, causal: bool, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The summarized blocks of the flex layout as tables ``(level, chunk, future)`` ``(R,)`` each, in KV order.
+
+    Past block ``(l, c)`` (l >= 1, c even, full) is used by the queries p with ``p >> l == c + 1``; a future block is
+    the mirror image (the past block of ``L - 1 - p`` in the reversed sequence). Order (tile count, not
+    semantics): blocks shorter than a tile sorted by the first query that uses them, so a query tile's small
+    blocks sit in one or two key tiles; blocks of a tile or more (each used by whole query tiles) last.
+    """
+    table = _flex_regions(L, causal).to(device)
+    return table[:, 0], table[:, 1], table[:, 2].bool()
+
+
+def flex_region_rows(level: torch.Tensor, chunk: torch.Tensor, future: torch.Tensor, L: int) -> torch.Tensor:
+    """Row of each (level, chunk, future) in the level-major concatenation ``flex_summaries`` builds (past levels
+    1.., then future levels 1..; even chunks only)."""
+    levels = num_log_levels(L)
+    per_level = torch.tensor([0, 0] + [((L >> lvl) + 1) // 2 for lvl in range(1, levels)], device=level.device)
+    offsets = per_level.cumsum(0)[:-1]  # offsets[l] = rows of levels < l (levels from 1)
+    return future.long() * per_level.sum() + offsets[level] + chunk // 2
 
 
 def _past_partition(length: int, device: torch.device | None):

@@ -77,6 +77,15 @@ from longseq.attention.combiner.summary import PooledCombiner, RegionSummary
 from longseq.attention.ops.cpu.grid_flash import FlashPart, grid_flash_attention
 from longseq.attention.ops.cpu.memory import FRESH_MAP_BYTES, heads_per_group
 from longseq.attention.ops.dispatch import CpuFlash
+from longseq.attention.ops.flex.calls import (
+    FlexCall,
+    column_major,
+    column_order,
+    grid_views,
+    interleave,
+    own_column,
+    same_block,
+)
 from longseq.attention.ops.geometry import BlockGrid, Grid
 from longseq.attention.ops.joint_softmax import LogitGroup, joint_groups_attention, with_padding_fallback
 from longseq.attention.ops.masks import NEG_INF, causal_mask
@@ -464,6 +473,122 @@ class PooledAxialAttention(BlockGrid, PooledCombiner, Attention):
                           + grid_flash_attention(direct + horizontal, tensors, layouts, scale))
         return grid_flash_attention(direct + vertical + horizontal, tensors, layouts, scale)
 
+    # -- the flex layout (``ops.flex``) ------------------------------------------------------------------------
+    def flex_calls(self, length: int, device: torch.device) -> list[FlexCall]:
+        """In sequence order the own row and the vertical regions of the query's row (column c' above / below row r:
+        slots ``(r, c')`` row-major); in column order the own column and the horizontal regions of the query's
+        column (row r' without column c, or its halves left / right of c: slots ``(r', c)`` column-major); merged by
+        log-sum-exp (``plans=average``: each plan's pair its own softmax, the two averaged)."""
+        grid = self.grid(length)
+        n, m, causal = grid.n_rows, grid.n_cols, self.causal
+        vertical, horizontal = self.use_vertical, self.horizontal_regions
+        average = self.plans == "average"
+        order = column_order(grid, device)
+        rows, cols = grid.rows(device), grid.cols(device)
+        own_row, own_col = same_block(m, causal), own_column(n, causal)
+
+        calls = []
+        if vertical:  # slots (r, c') row-major; bidirectional: (above, below) interleaved
+            v_kinds = 1 if causal else 2
+
+            def usable_vertical(b, h, q, s):
+                slot, kind = s // v_kinds, s % v_kinds
+                ok = (slot // m == q // m) & (slot % m != q % m)
+                r = q // m
+                return ok & torch.where(kind == 0, r >= 1, r <= n - 2)  # the column above / below row r is not empty
+
+            def members_vertical():
+                slot = torch.arange(length * v_kinds, device=device) // v_kinds
+                kind = torch.arange(length * v_kinds, device=device) % v_kinds
+                r, c = (slot // m).unsqueeze(1), (slot % m).unsqueeze(1)
+                side = torch.where(kind.unsqueeze(1) == 0, rows.unsqueeze(0) < r, rows.unsqueeze(0) > r)
+                return (cols.unsqueeze(0) == c) & side
+
+            calls.append(FlexCall(own_row, None, length * v_kinds, usable_vertical, members_vertical))
+            if average:  # the vertical plan's own column; the horizontal plan's own row
+                calls += [FlexCall(own_col, order), FlexCall(own_row, group=1)]
+        else:
+            calls.append(FlexCall(own_row))
+        if horizontal is None:
+            return calls + [FlexCall(own_col, order)]
+        h_kinds = 2 if horizontal == "split" else 1
+
+        def usable_horizontal(b, h, t, s):  # column order: query t = c * n + r, slot = c * n + r'
+            slot, kind = s // h_kinds, s % h_kinds
+            ok = own_col(b, h, t, slot)
+            c = t // n
+            if horizontal == "split":
+                return ok & torch.where(kind == 0, c >= 1, c <= m - 2)  # the left / right half is not empty
+            return ok & (m > 1)  # the row without column c
+
+        def members_horizontal():
+            s = torch.arange(length * h_kinds, device=device)
+            position = order[s // h_kinds]  # the slot's (r', c)
+            r, c = rows[position].unsqueeze(1), cols[position].unsqueeze(1)
+            same_row = rows.unsqueeze(0) == r
+            if horizontal == "split":
+                side = torch.where((s % h_kinds).unsqueeze(1) == 0, cols.unsqueeze(0) < c, cols.unsqueeze(0) > c)
+                return same_row & side
+            return same_row & (cols.unsqueeze(0) != c)
+
+        return calls + [FlexCall(own_col, order, length * h_kinds, usable_horizontal, members=members_horizontal,
+                                 family=HORIZONTAL, group=1 if average else 0)]
+
+    def flex_summaries(self, index: int, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       real: torch.Tensor | None):
+        """Call 0's vertical summaries (row-major slots) or the column call's horizontal ones (column-major slots).
+        Unpadded they are the fused path's: running pools and one causal SDPA per region kind (``running_summaries``,
+        nothing of size n x n or m x m is kept for the backward); padded, the explicit padded pools."""
+        grid = self.grid(qs.shape[-2])
+        (qr, kr, vr), real_r = grid_views(grid, qs, k, v, real)
+        if index == 0 and self.use_vertical:  # column c' above (below) row r, stored at (r, c')
+            qc, kc, vc = (x.transpose(2, 3) for x in (qr, kr, vr))  # (B, H, m, n, .): columns
+            directions = (False,) if self.causal else (False, True)
+            if real_r is None:
+                parts = [(*self.running_summaries(qc, kc, vc, reverse), None) for reverse in directions]
+            else:
+                parts = [self.padded_prefix_summaries(qc, kc, vc, real_r.transpose(2, 3), reverse)
+                         for reverse in directions]
+            parts = [(k_bar.transpose(2, 3).flatten(2, 3), v_bar.transpose(2, 3).flatten(2, 3),
+                      None if occupied is None else occupied[:, 0].transpose(-1, -2).flatten(-2, -1))
+                     for k_bar, v_bar, occupied in parts]
+        else:  # row r' left (right) of column c, or without it, stored at (r', c)
+            if self.horizontal_regions == "split":
+                if real_r is None:
+                    parts = [(*self.running_summaries(qr, kr, vr, reverse), None) for reverse in (False, True)]
+                else:
+                    parts = [self.padded_prefix_summaries(qr, kr, vr, real_r, reverse) for reverse in (False, True)]
+            elif real_r is None:
+                parts = [(*self.excluding_own_summaries_fused(qr, kr, vr), None)]
+            else:
+                parts = [self.padded_excluding_own_summaries(qr, kr, vr, real_r)]
+            parts = [(column_major(k_bar), column_major(v_bar),
+                      None if occupied is None else column_major(occupied[:, 0].unsqueeze(-1)).squeeze(-1))
+                     for k_bar, v_bar, occupied in parts]
+        if len(parts) == 1:
+            return parts[0]
+        (k0, v0, o0), (k1, v1, o1) = parts
+        return interleave(k0, k1, 2), interleave(v0, v1, 2), None if o0 is None else interleave(o0, o1, 1)
+
+    def running_summaries(self, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reverse: bool = False):
+        """Summary keys and values ``(..., T, .)`` of the strict prefixes ``[0, t)`` (suffixes ``(t, T)`` if
+        ``reverse``) along axis -2 of scaled q, k, v: inclusive running pools (``pools``) and ONE causal SDPA over
+        the pooled queries, shifted by one (the empty region gets zeros, which callers mask)."""
+        if reverse:
+            k_bar, v_bar = self.running_summaries(*(x.flip(-2) for x in (qs, k, v)))
+            return k_bar.flip(-2), v_bar.flip(-2)
+        q_pool, k_pool = self.pools(qs, k, -2)
+        inclusive = _sdpa_grid(q_pool, k, v, is_causal=True)
+        return shift_forward(k_pool), shift_forward(inclusive)
+
+    def excluding_own_summaries_fused(self, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """``excluding_own_summaries`` as the fused path computes it: the pools of every other position
+        (``pools_excluding_own``) and one SDPA with the own position masked."""
+        T = qs.shape[-2]
+        q_pool, k_pool = self.pools_excluding_own(qs, k, -2)
+        others = ~torch.eye(T, dtype=torch.bool, device=qs.device)
+        return k_pool, _sdpa_grid(q_pool, k, v, attn_mask=others)
+
     # -- explicit partition and dense reference ---------------------------------------------------
     def partition(self, L: int, device=None) -> Partition:
         """Direct set and every non-empty region, built by broadcasting over grid coordinates.
@@ -529,6 +654,15 @@ class PooledAxialAttention(BlockGrid, PooledCombiner, Attention):
             sum(self.summary.matrix(plan.without_padding(pad), qs[b : b + 1], k[b : b + 1]) for plan in plans) / len(plans)
             for b, pad in enumerate(pads)
         ])
+
+
+def _sdpa_grid(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """SDPA on grid layouts ``(B, H, A, T, .)`` (scaled queries, ``scale=1``): the leading axes folded into SDPA's 4-D
+    batch and heads, so the fused kernels take them (5-D inputs fall back to the math path)."""
+    lead = q.shape[:-2]
+    # flatten, not reshape: column layouts (transposed views) stay views, so nothing is copied for the backward
+    out = F.scaled_dot_product_attention(*(x.flatten(0, -4) for x in (q, k, v)), scale=1.0, **kwargs)
+    return out.view(*lead, *out.shape[-2:])
 
 
 def shift_forward(x: torch.Tensor) -> torch.Tensor:

@@ -74,6 +74,7 @@ from longseq.attention.combiner.summary import RegionSummary
 from longseq.attention.ops.clustering import CausalClusterSlots, ClusteredAttention, OnlineKMeans
 from longseq.attention.ops.cpu.cluster_flash import cluster_slots_flash
 from longseq.attention.ops.dispatch import CpuFlash
+from longseq.attention.ops.flex.calls import FlexCall
 from longseq.attention.ops.geometry import cluster_order
 from longseq.attention.ops.masks import NEG_INF
 from longseq.attention.ops.partition import Partition
@@ -158,7 +159,9 @@ class CombinerRoutingAttention(ClusteredAttention):
 
     # -- forward (``ClusteredAttention.forward`` dispatches here) --------------------------------
     supports_padding_mask = True
-    cpu_flash = CpuFlash(causal_only=True)  # ``_causal_flash``: no key padding, no weight dropout
+    # ``_causal_flash``: no key padding, no weight dropout; eager only (dynamo cannot trace its Function's context
+    # under no_grad: "setattr() on tuple", once the k-means assignment stopped breaking the graph before it)
+    cpu_flash = CpuFlash(causal_only=True, compiles=False)
 
     def _bidirectional(self, q, k, v, clusters, real=None):
         B, H, L, D = q.shape
@@ -185,6 +188,64 @@ class CombinerRoutingAttention(ClusteredAttention):
             mask = fold(mask)
         out = F.scaled_dot_product_attention(fold(q_blk), fold(keys), fold(values), attn_mask=mask, dropout_p=p, scale=1.0)
         return self._unblock(order, out)
+
+    def flex_data_calls(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None) -> list:
+        """One call over [keys ; cluster summaries] whose mask reads this batch's clusters ``(B, H, L)``.
+        Bidirectional: own cluster directly, every other cluster through its summary (K slots). Causal: own segment
+        up to self and (if routed) the route's cluster in earlier segments directly, every other cluster c through
+        R(c, g) = its members in segments < g (slots ``g * K + c``: a segment's K summaries side by side).
+        Summaries: the pooling over the clusters' real members (``region_summaries``; causal the running pools
+        ``_segment_prefix_padded``) and inner softmaxes."""
+        self.kmeans._ensure(k)
+        clusters, routes = self.assign(k, real)
+        self.kmeans.update(k, clusters, None if real is None else real.unsqueeze(1))  # a no-op in eval
+        B, H, L, _ = k.shape
+        K = self.n_clusters
+        order, _ = cluster_order(clusters, K)
+
+        def members_of(real_keys):
+            if real_keys is None:
+                return torch.ones(B, H, K, L // K, dtype=torch.bool, device=k.device)
+            return self._members(order, real_keys)  # (B, H, K, S)
+
+        if not self.causal:
+            def direct(b, h, q, kv):
+                return clusters[b, h, q] == clusters[b, h, kv]
+
+            def usable(b, h, q, r):
+                return r != clusters[b, h, q]
+
+            def summaries(qs, k, v, real):
+                blocks = self._blocks(order, qs, k, v)  # (B, H, K, S, .): each cluster's members in position order
+                member = None if real is None else members_of(real)
+                k_bar, v_bar = self.summary.region_summaries(*blocks, member)
+                return k_bar, v_bar, None if member is None else member.any(-1)
+
+            return [FlexCall(direct, None, K, usable, heads=H, summaries=summaries)]
+
+        M = self.segment_len(L)
+        n = L // M
+        own = self.flex_routes(routes, L)
+
+        def usable(b, h, q, r):
+            g, c = r // K, r % K
+            return (g == q // M) & (g >= 1) & (c != own[b, h, q])
+
+        def summaries(qs, k, v, real):
+            q_blk, k_blk, v_blk = self._blocks(order, qs, k, v)  # (B, H, K, S, .); member t lies in segment t // (M/K)
+            member = members_of(real)
+            q_bar, occupied = self._segment_prefix_padded(self.summary.query_features(q_blk), member, n)  # (B,H,K,n,.)
+            k_bar, _ = self._segment_prefix_padded(self.summary.key_features(k_blk), member, n)
+            S = q_blk.shape[3]
+            earlier = torch.arange(S, device=k.device) // (M // K) < torch.arange(n, device=k.device).unsqueeze(1)
+            allowed = earlier & member.unsqueeze(3)  # (B, H, K, n, S): R(c, g)'s real members
+            allowed = allowed | ~allowed.any(-1, keepdim=True)  # an empty region keeps a finite row (it is masked)
+            inner = (q_bar @ k_blk.transpose(-1, -2)).masked_fill(~allowed, NEG_INF).softmax(-1)
+            v_bar = inner @ v_blk
+            slots = [x.transpose(2, 3).flatten(2, 3) for x in (k_bar, v_bar)]  # (B, H, n * K, .): slot g * K + c
+            return slots[0], slots[1], occupied.transpose(2, 3).flatten(2, 3)
+
+        return [FlexCall(self.flex_causal_direct(clusters, own, L), None, n * K, usable, heads=H, summaries=summaries)]
 
     def _members(self, order: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """Which members of every cluster block are real keys: ``real`` (B, L) -> (B, H, K, S) bool."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from longseq.attention.base import AttentionConfigError
+from longseq.attention.errors import AttentionConfigError
 from longseq.attention.ops.decoding import PartitionDecoder
 from longseq.attention.ops.masks import NEG_INF
 from longseq.attention.ops.partition import Partition
@@ -61,13 +61,15 @@ class RegionSummary(nn.Module):
         """Per-position key features before pooling (DeepSets map, or ``k`` itself). ``(..., D)``."""
         return self._features(k, self.phi_key)
 
-    def masked_reduce(self, features: torch.Tensor, member: torch.Tensor) -> torch.Tensor:
-        """Pool featurized vectors ``(..., s, D)`` over their real members ``member`` ``(..., s)`` bool -> ``(..., D)``.
+    def masked_reduce(self, features: torch.Tensor, member: torch.Tensor | None) -> torch.Tensor:
+        """Pool featurized vectors ``(..., s, D)`` over their real members ``member`` ``(..., s)`` bool -> ``(..., D)``;
+        ``member=None``: every position is real (decided by the caller from its configuration, never by reading the
+        mask: that would be a device-to-host sync per call on a GPU).
 
         Key padding: padded positions stay out of the pool; a region without a real member pools to 0
         (its summary is masked by the caller).
         """
-        if bool(member.all()):  # no padding: no masked copy (max, not amax: amax's backward took 2x the time here)
+        if member is None:  # no masked copy (max, not amax: amax's backward took 2x the time here)
             return features.max(-2).values if self.reduce == "max" else features.mean(-2)
         if self.reduce == "max":
             pooled = features.masked_fill(~member.unsqueeze(-1), NEG_INF).max(-2).values
@@ -117,13 +119,16 @@ class RegionSummary(nn.Module):
                                      self.pool_region_keys(k, part.members))
 
     def region_summaries(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         member: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                         member: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Summary keys and values ``(B, H, n, D)`` of n regions (incremental decoding: once, when a region
-        completes) from their members' scaled queries, keys and values ``(B, H, n, s, D)``; ``member``
-        ``(n, s)`` bool marks real members: ``k_bar`` the pooled keys, ``v_bar = softmax(q_bar . k) v``."""
+        completes; the flex layouts: every region at once) from their members' scaled queries, keys and values
+        ``(B, H, n, s, D)``; ``member`` (broadcastable to ``(B, H, n, s)``) bool marks real members, None: all are:
+        ``k_bar`` the pooled keys, ``v_bar = softmax(q_bar . k) v``."""
         q_bar = self.masked_reduce(self.query_features(q), member)
         k_bar = self.masked_reduce(self.key_features(k), member)
-        logits = (k @ q_bar.unsqueeze(-1)).squeeze(-1).masked_fill(~member, NEG_INF)
+        logits = (k @ q_bar.unsqueeze(-1)).squeeze(-1)
+        if member is not None:
+            logits = logits.masked_fill(~member, NEG_INF)
         return k_bar, (logits.softmax(-1).unsqueeze(-2) @ v).squeeze(-2)
 
     def _prefix(self, x: torch.Tensor, dim: int, phi: nn.Module | None) -> torch.Tensor:

@@ -19,6 +19,8 @@ import torch
 def autocast_dtype(*tensors: torch.Tensor | None) -> torch.dtype | None:
     """The dtype autocast computes in for the device of the first tensor given, or None when autocast is off there."""
     device_type = next(t.device.type for t in tensors if isinstance(t, torch.Tensor))
+    if not torch.amp.is_autocast_available(device_type):  # e.g. meta (shape-only runs measure saved bytes)
+        return None
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
@@ -53,6 +55,8 @@ def autocast_function(cls: type[torch.autograd.Function]) -> type[torch.autograd
 
     @functools.wraps(backward)
     def plain_backward(ctx, *grads):
+        if not torch.amp.is_autocast_available(ctx.amp_device_type):  # no autocast there to turn off (meta)
+            return backward(ctx, *grads)
         with torch.autocast(ctx.amp_device_type, enabled=False):
             return backward(ctx, *grads)
 

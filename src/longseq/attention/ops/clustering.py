@@ -60,6 +60,13 @@ from longseq.attention.ops.geometry import check_block_size, cluster_order
 from longseq.attention.ops.masks import NEG_INF, causal_mask
 
 
+def host_loop_applies(scores: torch.Tensor) -> bool:
+    """The kernel choice of ``balanced_assignment``: the loop that shrinks the pending positions (and stops when none
+    are left, usually after a few of its K rounds) reads sizes on the host, so it runs on CPU tensors outside
+    ``torch.compile`` only; elsewhere all K rounds run with static shapes (``_balanced_static``)."""
+    return scores.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def balanced_assignment(scores: torch.Tensor, deferred: torch.Tensor | None = None,
                         nearest: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Partition ``N`` positions into ``K`` equal clusters from similarity ``scores`` ``(..., N, K)``.
@@ -76,6 +83,8 @@ def balanced_assignment(scores: torch.Tensor, deferred: torch.Tensor | None = No
             f"attention.n_clusters={n_clusters} must divide the {n_pos} positions being clustered"
         )
     flat_scores = scores.detach().reshape(-1, n_clusters)  # (G*N, K), one row per position
+    if not host_loop_applies(flat_scores):
+        return _balanced_static(flat_scores, n_pos, n_clusters, deferred, lead)
     device = flat_scores.device
     groups = flat_scores.shape[0] // n_pos
     assignment = torch.full((groups * n_pos,), -1, dtype=torch.long, device=device)
@@ -115,6 +124,46 @@ def balanced_assignment(scores: torch.Tensor, deferred: torch.Tensor | None = No
         # the r-th free slot in (group, centroid) order
         free_slot = torch.searchsorted(room.cumsum(0), torch.arange(late.numel(), device=device), right=True)
         assignment[late] = free_slot % n_clusters
+    return assignment.view(*lead, n_pos)
+
+
+def _balanced_static(flat_scores: torch.Tensor, n_pos: int, n_clusters: int, deferred: torch.Tensor | None,
+                     lead: list[int]) -> torch.Tensor:
+    """``balanced_assignment``'s rule with static shapes and no host reads (GPUs, ``torch.compile``): every position
+    takes part in all K rounds (an assigned or deferred one proposes to no slot), boolean indexing becomes
+    ``torch.where`` and ``bincount`` becomes ``scatter_add``; the assignments equal the CPU loop's, which skips
+    the rounds (and positions) with nothing left to place."""
+    device = flat_scores.device
+    total = flat_scores.shape[0]
+    groups = total // n_pos
+    slots = groups * n_clusters
+    position = torch.arange(total, device=device)
+    group = position // n_pos
+    assignment = torch.full((total,), -1, dtype=torch.long, device=device)
+    room = torch.full((slots + 1,), n_pos // n_clusters, dtype=torch.long, device=device)  # + a sentinel slot
+    late = None
+    if deferred is not None:
+        late = deferred.expand(*lead, n_pos).reshape(-1)
+    for _ in range(n_clusters):  # each round fills at least one centroid: K rounds place everyone
+        full = (room[:slots].view(groups, n_clusters) == 0)[group]  # (N, K)
+        best, choice = flat_scores.masked_fill(full, NEG_INF).max(-1)
+        proposing = assignment < 0
+        if late is not None:
+            proposing = proposing & ~late
+        slot = torch.where(proposing, group * n_clusters + choice, slots)  # non-proposers: the sentinel slot
+        by_score = torch.sort(-best, stable=True).indices
+        order = by_score[torch.sort(slot[by_score], stable=True).indices]
+        sorted_slot = slot[order]
+        proposals = torch.zeros(slots + 1, dtype=torch.long, device=device).scatter_add_(0, slot, torch.ones_like(slot))
+        rank = torch.arange(total, device=device) - (proposals.cumsum(0) - proposals)[sorted_slot]
+        accepted_sorted = (rank < room[sorted_slot]) & (sorted_slot < slots)
+        accepted = torch.zeros_like(accepted_sorted).scatter_(0, order, accepted_sorted)
+        assignment = torch.where(accepted, choice, assignment)
+        room = room - torch.zeros_like(room).scatter_add_(0, slot, accepted.long())
+    if late is not None:  # the r-th deferred position overall takes the r-th free slot in (group, centroid) order
+        rank_late = late.long().cumsum(0) - 1
+        free_slot = torch.searchsorted(room[:slots].cumsum(0), rank_late.clamp(min=0), right=True)
+        assignment = torch.where(late, free_slot % n_clusters, assignment)
     return assignment.view(*lead, n_pos)
 
 
@@ -227,7 +276,8 @@ class OnlineKMeans(nn.Module):
             weights = real.expand(B, H, L).reshape(-1).to(x.dtype)
             rows = rows * weights.unsqueeze(-1)
         sums = x.new_zeros(H * K, D).index_add_(0, bins, rows).view(H, K, D)
-        counts = torch.bincount(bins, weights, minlength=H * K).to(x.dtype).view(H, K, 1)
+        ones = torch.ones_like(bins, dtype=x.dtype) if weights is None else weights
+        counts = x.new_zeros(H * K).index_add_(0, bins, ones).view(H, K, 1)  # no bincount: static shapes
         means = sums / counts.clamp(min=1.0)
         moved = F.normalize(self.ema_decay * centroids + (1.0 - self.ema_decay) * means, dim=-1)
         centroids.copy_(torch.where(counts > 0, moved, centroids))
@@ -306,6 +356,27 @@ class ClusteredAttention(Attention):
 
     def geometry_key(self) -> str:
         return "attention.block_size / attention.n_clusters" if self.causal else "attention.n_clusters"
+
+    # the flex layouts' masks read this batch's clusters: built per call (``ops.flex``), never cached
+    flex_from_data = True
+
+    def flex_routes(self, routes: torch.Tensor, L: int) -> torch.Tensor:
+        """``(B, H, L)`` the key cluster a causal query attends in earlier segments (flex masks): its route when it
+        took one of the route's L / K query slots, else K (none; ``causal_direct_mask``)."""
+        K = self.n_clusters
+        routed = (cluster_order(routes, K + 1)[1] < L // K) & (routes < K)
+        return torch.where(routed, routes, K)
+
+    def flex_causal_direct(self, clusters: torch.Tensor, own: torch.Tensor, L: int):
+        """The causal direct mask by index: own segment up to self, and (if routed) the route's key cluster in
+        earlier segments (``clusters`` ``(B, H, L)`` of the keys, ``own`` from ``flex_routes``)."""
+        M = self.segment_len(L)
+
+        def direct(b, h, q, kv):
+            same_segment = q // M == kv // M
+            return (kv <= q) & (same_segment | ((kv // M < q // M) & (clusters[b, h, kv] == own[b, h, q])))
+
+        return direct
 
     def segment_len(self, length: int) -> int:
         """Causal segment length M for sequence length L: the smallest multiple of ``block_size`` that K

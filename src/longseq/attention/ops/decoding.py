@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from longseq.attention.base import DecodingNotSupported
+from longseq.attention.errors import DecodingNotSupported
 from longseq.attention.ops.masks import NEG_INF, causal_mask
 
 

@@ -195,31 +195,14 @@ def refusal(backend: str, reason: str) -> str:
             f"that applies) or explicit (valid: {', '.join(BACKENDS)})")
 
 
-# -- FlexAttention (``ops.flex``), imported when first needed -----------------------------------------------
-_FLEX: list = []  # the module or the reason it is missing, found once (a failed import searches the path again)
-
-
-def _flex_module():
-    """``longseq.attention.ops.flex``, or the reason it is not available."""
-    if not _FLEX:
-        try:
-            from longseq.attention.ops import flex
-        except ImportError as error:
-            flex = f"flex is not available: no layout ({error})"
-        _FLEX.append(flex)
-    return _FLEX[0]
-
-
-def flex_reason(attn) -> str | None:
-    """Why ``attn`` has no flex layout (None: it has one); static, from ``ops.flex.flex_unsupported_reason``."""
-    module = _flex_module()
-    return module if isinstance(module, str) else module.flex_unsupported_reason(attn)
-
-
+# -- FlexAttention (``ops.flex``) ----------------------------------------------------------------------------
 def flex_forward(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``attn``'s forward on the flex backend: ``(B, H, L, D)`` unscaled q, k, v -> ``(B, H, L, D)``."""
-    return _flex_module().flex_attention_forward(attn, q, k, v, key_padding_mask=key_padding_mask)
+    """``attn``'s forward on the flex backend: ``(B, H, L, D)`` unscaled q, k, v -> ``(B, H, L, D)`` (``ops.flex``,
+    imported on first use so that importing the package never touches FlexAttention)."""
+    from longseq.attention.ops.flex import flex_forward as run
+
+    return run(attn, q, k, v, key_padding_mask)
 
 
 # -- logging and recording ---------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from longseq.attention.base import AttentionConfigError, divisors
+from longseq.attention.errors import AttentionConfigError, divisors
 
 
 @dataclass(frozen=True)

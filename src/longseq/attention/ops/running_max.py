@@ -129,14 +129,72 @@ class _BlockedRunningMax(torch.autograd.Function):
         return (None, None, *result)
 
 
+@autocast_function
+class _ScannedRunningMax(torch.autograd.Function):
+    """The running max as one ``torch.cummax`` scan per tensor (GPUs: one kernel, where the blocked scan is dozens of
+    small ones), keeping only the bool mask of the positions that attain their max for the backward (``cummax``
+    itself keeps int64 indices: four to eight times the bytes, the largest tensor a pooled axial layer saved).
+
+    Backward, in scan order: an attaining position j takes the gradients of every output from j up to the next
+    attaining position (the outputs its max is carried to), i.e. a difference of suffix sums of the gradient at j
+    and at that next position (found by a reverse ``cummin`` over the attaining positions' indices).
+    """
+
+    @staticmethod
+    def forward(ctx, dim, reverse, *xs):
+        outs, attained = [], []
+        for x in xs:
+            scan_order = x.flip(dim) if reverse else x
+            values = torch.cummax(scan_order, dim).values
+            attained.append(scan_order == values)
+            outs.append(values.flip(dim) if reverse else values)
+        ctx.save_for_backward(*attained)
+        ctx.dim, ctx.reverse = dim, reverse
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        dim, reverse = ctx.dim, ctx.reverse
+        result = []
+        for grad, attained in zip(grads, ctx.saved_tensors):
+            if grad is None:
+                result.append(None)
+                continue
+            g = grad.flip(dim) if reverse else grad
+            g = g.to(torch.promote_types(g.dtype, torch.float32))  # sums of up to T gradients: fp32 at least
+            T = g.shape[dim]
+            shape = [1] * g.dim()
+            shape[dim] = T
+            position = torch.arange(T, device=g.device).view(shape)
+            # suffix sums of the gradient with a zero past the end: from_t[t] = sum of g[t:]
+            from_t = torch.cat([g.flip(dim).cumsum(dim).flip(dim), torch.zeros_like(g.narrow(dim, 0, 1))], dim)
+            at = torch.where(attained, position, T)
+            next_at = at.flip(dim).cummin(dim).values.flip(dim).narrow(dim, 1, T - 1)  # next attaining after t
+            next_at = torch.cat([next_at, torch.full_like(at.narrow(dim, 0, 1), T)], dim)
+            out = torch.where(attained, from_t.narrow(dim, 0, T) - from_t.gather(dim, next_at), 0.0).to(grad.dtype)
+            result.append(out.flip(dim) if reverse else out)
+        return (None, None, *result)
+
+
+def blocked_scan_applies(x: torch.Tensor) -> bool:
+    """The kernel choice of ``running_maxes``: the blocked scan on CPU tensors, one ``cummax`` elsewhere."""
+    return x.device.type == "cpu"
+
+
 def running_maxes(xs: tuple[torch.Tensor, ...] | list[torch.Tensor], dim: int,
                   reverse: bool = False) -> tuple[torch.Tensor, ...]:
     """Inclusive running max of each same-shape tensor in ``xs`` along ``dim`` (suffix max if ``reverse``), as
-    ``torch.cummax(x, dim).values`` (of the flipped axis when ``reverse``)."""
+    ``torch.cummax(x, dim).values`` (of the flipped axis when ``reverse``), with ``cummax``'s gradient. On CPU the
+    blocked scan (``_BlockedRunningMax``: fewest fresh buffers), elsewhere one ``cummax`` per tensor
+    (``_ScannedRunningMax``: fewest kernels and bytes saved)."""
     dim = dim % xs[0].dim()
+    blocked = blocked_scan_applies(xs[0])
     if _without_autograd(xs):
-        return tuple(_plain(_scan, xs, dim, reverse))
-    return _BlockedRunningMax.apply(dim, reverse, *xs)
+        if blocked:
+            return tuple(_plain(_scan, xs, dim, reverse))
+        return tuple((torch.cummax(x.flip(dim), dim).values.flip(dim) if reverse else torch.cummax(x, dim).values)
+                     for x in xs)
+    return (_BlockedRunningMax if blocked else _ScannedRunningMax).apply(dim, reverse, *xs)
 
 
 def _excluding_own(dim: int, xs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

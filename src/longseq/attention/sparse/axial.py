@@ -11,6 +11,7 @@ from longseq.attention.ops.masks import NEG_INF, causal_mask, full_mask, other_b
 from longseq.attention.registry import register_attention
 from longseq.attention.sparse.base import SparseAttention
 from longseq.attention.sparse.kernels import column_part, matmul, softmax_over_parts
+from longseq.attention.ops.flex.calls import FlexCall, column_order, own_column, same_block
 
 
 @register_attention("axial")
@@ -33,6 +34,12 @@ class AxialAttention(BlockGrid, SparseAttention):
 
     def __init__(self, *, causal: bool, block_size: int = 8, **base) -> None:
         super().__init__(causal=causal, block_size=block_size, **base)
+
+    def flex_calls(self, length: int, device: torch.device) -> list[FlexCall]:
+        """Own row in sequence order + own column in column order, merged by log-sum-exp."""
+        grid = self.grid(length)
+        return [FlexCall(same_block(grid.n_cols, self.causal)),
+                FlexCall(own_column(grid.n_rows, self.causal), column_order(grid, device))]
 
     def pattern(self, length: int) -> torch.Tensor:
         grid = self.grid(length)

@@ -8,6 +8,7 @@ from longseq.attention.base import AttentionConfigError, check_int_knob
 from longseq.attention.ops.geometry import BlockGrid
 from longseq.attention.registry import register_attention
 from longseq.attention.sparse.base import SparseAttention
+from longseq.attention.ops.flex.calls import FlexCall
 
 
 @register_attention("bigbird")
@@ -68,6 +69,22 @@ class BigBirdAttention(BlockGrid, SparseAttention):
         if table is not None and table.shape[1] == n:
             return table
         return self.draw_random_blocks(n)
+
+    def flex_calls(self, length: int, device: torch.device) -> list[FlexCall]:
+        grid = self.grid(length)
+        n, size = grid.n_rows, grid.n_cols
+        a, c = torch.arange(n).view(n, 1), torch.arange(n).view(1, n)
+        glob = self.global_block_ids(n)
+        allowed = ((a - c).abs() <= 1) | torch.isin(a, glob) | torch.isin(c, glob)  # (n, n) block table
+        rand = self.random_blocks_for(n).cpu()  # (H', n, r)
+        hit = (rand.unsqueeze(-1) == torch.arange(n).view(1, 1, 1, n)).any(2)
+        blocks = (allowed | hit).to(device)  # (H', n, n): query block a may attend key block c
+        heads = blocks.shape[0]
+
+        def direct(b, h, q, kv):
+            return blocks[h if heads > 1 else 0, q // size, kv // size]
+
+        return [FlexCall(direct, heads=heads)]
 
     def pattern(self, length: int) -> torch.Tensor:
         n = self.grid(length).n_rows

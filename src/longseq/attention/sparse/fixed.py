@@ -9,6 +9,7 @@ from longseq.attention.ops.geometry import BlockGrid, Grid
 from longseq.attention.ops.masks import causal_mask, full_mask, other_blocks_mask
 from longseq.attention.registry import register_attention
 from longseq.attention.sparse.base import SparseAttention
+from longseq.attention.ops.flex.calls import FlexCall, column_order, same_block
 
 
 @register_attention("fixed")
@@ -29,6 +30,18 @@ class FixedAttention(BlockGrid, SparseAttention):
             raise AttentionConfigError(
                 f"attention.summary_cells={summary_cells} must be <= attention.block_size={self.block_size}"
             )
+
+    def flex_calls(self, length: int, device: torch.device) -> list[FlexCall]:
+        """Own block in sequence order + the other blocks' summary cells in column order (the cells of the last c
+        columns are then contiguous keys, not one in every tile), merged by log-sum-exp."""
+        grid = self.grid(length)
+        n, m, c, causal = grid.n_rows, grid.n_cols, self.summary_cells, self.causal
+
+        def summary_cells(b, h, q, kv):  # column order: column = index // n, row = index % n
+            other = (kv % n) < (q % n) if causal else (kv % n) != (q % n)
+            return (kv // n >= m - c) & other
+
+        return [FlexCall(same_block(m, causal)), FlexCall(summary_cells, column_order(grid, device))]
 
     def pattern(self, length: int) -> torch.Tensor:
         grid = self.grid(length)

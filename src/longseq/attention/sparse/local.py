@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from longseq.attention.base import AttentionConfigError, check_int_knob
 from longseq.attention.registry import register_attention
 from longseq.attention.sparse.base import SparseAttention
+from longseq.attention.ops.flex.calls import FlexCall
 
 
 def neighbour_blocks(x: torch.Tensor, back: int, ahead: int) -> torch.Tensor:
@@ -46,6 +47,19 @@ class LocalAttention(SparseAttention):
         if self.causal:
             return self.window - 1, 0
         return self.window // 2, self.window // 2
+
+    def flex_calls(self, length: int, device: torch.device) -> list[FlexCall]:
+        back, ahead = self.band()
+        step, g = self.dilation, self.global_tokens
+
+        def direct(b, h, q, kv):
+            d = q - kv
+            ok = (d % step == 0) & (d <= back * step) & (d >= -ahead * step)
+            if g:
+                ok = ok | (q < g) | (kv < g)
+            return ok
+
+        return [FlexCall(direct)]
 
     def pattern(self, length: int) -> torch.Tensor:
         i = torch.arange(length).unsqueeze(1)

@@ -10,6 +10,7 @@ from longseq.attention.ops.masks import mask_from_index_table
 from longseq.attention.registry import register_attention
 from longseq.attention.sparse.base import SparseAttention
 from longseq.attention.sparse.kernels import dedupe_index_table
+from longseq.attention.ops.flex.calls import FlexCall
 
 
 @register_attention("logsparse")
@@ -35,6 +36,15 @@ class LogSparseAttention(SparseAttention):
             valid = torch.cat([valid, valid.flip(0)[:, 1:]], 1)
         return dedupe_index_table(idx, valid, length)
 
+    def flex_calls(self, length: int, device: torch.device) -> list[FlexCall]:
+        L, causal = length, self.causal
+
+        def direct(b, h, q, kv):
+            ok = causal_logsparse(q, kv)
+            return ok if causal else ok | causal_logsparse(L - 1 - q, L - 1 - kv)
+
+        return [FlexCall(direct)]
+
     def pattern(self, length: int) -> torch.Tensor:
         return mask_from_index_table(*self.index_table(length), length)
 
@@ -52,3 +62,12 @@ class LogSparseAttention(SparseAttention):
         out = LevelMix.apply(weights[:, :own], vf, True)
         out = out + LevelMix.apply(weights[:, own:].flip(-1), vf.flip(1), False).flip(1)
         return out.view(B, H, L, -1)
+
+
+def causal_logsparse(i, j):
+    """j in the causal LogSparse set of i (``geometry.logsparse_keys``) by index arithmetic (flex masks): j = i, or
+    j + 1 = i with its bits below some set bit l cleared, i.e. i's bits at and above the lowest set bit of j + 1
+    equal j + 1's."""
+    t = j + 1
+    low = t & (-t)
+    return (j == i) | ((j < i) & ((i & ~(low - 1)) == t))

@@ -9,6 +9,7 @@ from longseq.attention.ops.masks import mask_from_index_table
 from longseq.attention.registry import register_attention
 from longseq.attention.sparse.base import SparseAttention
 from longseq.attention.sparse.kernels import dedupe_index_table
+from longseq.attention.ops.flex.calls import FlexCall
 
 
 def attend_index_table(attn: SparseAttention, q, k, v, idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -55,6 +56,18 @@ class RandomAttention(SparseAttention):
         draws = (u * span).long().clamp(max=length - 1)
         idx = torch.cat([i, draws], 1)
         return dedupe_index_table(idx, torch.ones_like(idx, dtype=torch.bool), length)
+
+    def flex_calls(self, length: int, device: torch.device) -> list[FlexCall]:
+        idx, valid = (x.to(device) for x in self.index_table(length))  # (L, K) key table of each query
+        K = idx.shape[1]
+
+        def direct(b, h, q, kv):
+            ok = (idx[q, 0] == kv) & valid[q, 0]
+            for col in range(1, K):  # K = 1 + n_random, a handful: unrolled, no (L, L) mask
+                ok = ok | ((idx[q, col] == kv) & valid[q, col])
+            return ok
+
+        return [FlexCall(direct)]
 
     def pattern(self, length: int) -> torch.Tensor:
         return mask_from_index_table(*self.index_table(length), length)

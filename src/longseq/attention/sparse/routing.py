@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from longseq.attention.ops.clustering import CausalClusterSlots, ClusteredAttention, OnlineKMeans
 from longseq.attention.ops.cpu.cluster_flash import cluster_slots_flash
 from longseq.attention.ops.dispatch import CpuFlash
+from longseq.attention.ops.flex.calls import FlexCall
 from longseq.attention.ops.geometry import cluster_order
 from longseq.attention.ops.masks import NEG_INF
 from longseq.attention.registry import register_attention
@@ -99,6 +100,22 @@ class RoutingAttention(ClusteredAttention):
         w_cluster, w_segment = weights.split([S, M], -1)
         out = (w_segment.reshape(B, H, n, M, M) @ v.view(B, H, n, M, D)).view(B, H, L, D)
         return out + slots.cluster_output(w_cluster, v_blk)
+
+    def flex_data_calls(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None) -> list:
+        """One call in sequence order whose mask reads this batch's k-means clusters ``(B, H, L)`` (``assign``; the
+        centroids move in training as in ``forward``). Bidirectional: same key cluster. Causal: own segment up to
+        self, plus (if the query took a slot of its route) its route's key cluster in earlier segments."""
+        self.kmeans._ensure(k)
+        clusters, routes = self.assign(k)
+        self.kmeans.update(k, clusters)  # a no-op in eval
+        L, H = k.shape[-2], k.shape[1]
+        if self.causal:
+            return [FlexCall(self.flex_causal_direct(clusters, self.flex_routes(routes, L), L), heads=H)]
+
+        def direct(b, h, q, kv):
+            return clusters[b, h, q] == clusters[b, h, kv]
+
+        return [FlexCall(direct, heads=H)]
 
     def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         key_clusters, query_routes = self.assign(k)

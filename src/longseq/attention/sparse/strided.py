@@ -12,6 +12,7 @@ from longseq.attention.ops.masks import NEG_INF, other_blocks_mask
 from longseq.attention.registry import register_attention
 from longseq.attention.sparse.base import SparseAttention
 from longseq.attention.sparse.kernels import column_part, matmul, softmax_over_parts
+from longseq.attention.ops.flex.calls import FlexCall, column_order, own_column
 
 
 def shift_rows(x: torch.Tensor, shift: int) -> torch.Tensor:
@@ -38,6 +39,18 @@ class StridedAttention(BlockGrid, SparseAttention):
 
     def __init__(self, *, causal: bool, block_size: int = 8, **base) -> None:
         super().__init__(causal=causal, block_size=block_size, **base)
+
+    def flex_calls(self, length: int, device: torch.device) -> list[FlexCall]:
+        """The band ``|i - j| < l`` (causal ``0 <= i - j < l``) in sequence order + the rest of ``(i - j) % l == 0`` (the
+        query's column of the ``n x l`` grid, other / earlier rows) in column order, merged by log-sum-exp."""
+        grid = self.grid(length)
+        l, causal = grid.n_cols, self.causal
+
+        def band(b, h, q, kv):
+            d = q - kv
+            return (d >= 0) & (d < l) if causal else d.abs() < l
+
+        return [FlexCall(band), FlexCall(own_column(grid.n_rows, causal), column_order(grid, device))]
 
     def pattern(self, length: int) -> torch.Tensor:
         l = self.grid(length).n_cols

@@ -1,0 +1,197 @@
+"""Running a variant's flex layout: summaries, ``flex_attention`` calls over ``[keys ; summaries]`` and the
+log-sum-exp merge, as ONE compiled graph per layer on CUDA.
+
+``flex_forward(attn, q, k, v, key_padding_mask)`` is what the dispatch runs for ``attention.backend=flex``:
+
+- the static layout (calls and block masks, ``block_masks.static_layout``) is looked up outside the compiled
+  function and passed in; layers with the same geometry share it, and it is never rebuilt per step;
+- on CUDA the rest (``run_layer``: the variant's summaries, every flex call, the merge, the padding fallback) is one
+  ``torch.compile(fullgraph=True, dynamic=False)`` graph, shared by every layer of a variant (dynamo guards on the
+  module's attributes, not its identity); inside an outer ``torch.compile`` (``model.compile=true``) it is traced
+  into the caller's graph instead;
+- on CPU it runs eagerly, forward only (FlexAttention has no CPU backward): inference and tests under ``no_grad``.
+
+Nothing is read on the host: padding is handled by per-batch ``mask_mod``s on the static tiles, and a padded query
+that its padding leaves with nothing takes the output of its unpadded direct keys through a ``torch.where`` on its
+log-sum-exp (computed for every padded batch, instead of asking the device whether any query needs it).
+Layouts whose masks depend on the batch (``Attention.flex_from_data``: k-means clusters) build their block masks
+on the device per call (``block_masks.build_block_mask``), without a sync.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+
+from longseq.attention.errors import AttentionConfigError
+from longseq.attention.ops.cpu.kernels import flex_reference
+from longseq.attention.ops.flex.block_masks import (
+    StaticLayout,
+    build_block_mask,
+    static_layout,
+    tile_size,
+    whole_tiles,
+    with_mask_mod,
+)
+from longseq.attention.ops.flex.calls import FlexCall
+
+FLEX_RECOMPILE_LIMIT = 64  # compiled layer frames kept per process (see ``_compiled``)
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    """``torch.compile(fn)``, made once per process and used on CUDA only (on CPU flex runs eagerly). Made on first use
+    so importing this module never touches dynamo.
+
+    Every new variant configuration (the module attributes dynamo guards on) and every new length recompiles the one
+    frame. Past dynamo's recompile limit (8) the frame runs eagerly: on an H200, a gpu-check process that went past
+    it built dense block masks (``axial``: 41 GB at L = 65,536) instead of fused kernels. So the limit is raised to
+    ``FLEX_RECOMPILE_LIMIT`` (process-wide; dynamo keys the limit by frame, not by compiled function).
+
+    Compiled for static shapes (``dynamic=False``): after a second length dynamo's automatic dynamic shapes made
+    the key length symbolic, and torch 2.11's flex lowering then raised (``'ShapeAsConstantBuffer' object has no
+    attribute 'dtype'``, 5 of 31 CUDA test cases on an H200). A run trains at one length, so static costs one
+    compile per length."""
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, FLEX_RECOMPILE_LIMIT)
+    return torch.compile(fn, fullgraph=True, dynamic=False)
+
+
+def flex_forward(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention's forward through FlexAttention: unscaled q, k ``(B, H, L, D)``, v ``(B, H, L, Dv)`` ->
+    ``(B, H, L, Dv)``; ``key_padding_mask`` ``(B, L)`` bool (True = pad, ``ops.padding``'s rule). Equals
+    ``attention_matrix(q, k, v) @ v`` (no weight dropout). On CPU inputs must not require grad."""
+    reason = attn.flex_reason()
+    if reason is not None:
+        raise AttentionConfigError(f"attention '{attn.name}' has no flex layout (attention.backend=flex): {reason}")
+    if attn.training and attn.dropout > 0:
+        raise AttentionConfigError(
+            f"attention '{attn.name}': the flex backend applies no weight dropout; with attention.dropout="
+            f"{attn.dropout} in training use attention.backend=auto|cpu_flash|explicit")
+    L = q.shape[-2]
+    attn.check_length(L)
+    tile = tile_size(L)
+    layout = None
+    if not attn.flex_from_data:
+        layout = static_layout(attn, L, q.device, tile, padded=key_padding_mask is not None)
+    if q.is_cuda and not torch.compiler.is_compiling():
+        return _compiled(run_layer)(attn, layout, q, k, v, key_padding_mask, tile)
+    return run_layer(attn, layout, q, k, v, key_padding_mask, tile)
+
+
+def run_layer(attn, layout: StaticLayout | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              key_padding_mask: torch.Tensor | None, tile: int) -> torch.Tensor:
+    """The traced body of ``flex_forward``: summaries, the calls and their merge. ``layout`` None: the variant's calls
+    depend on this batch (``flex_data_calls``)."""
+    L = q.shape[-2]
+    qs = attn.scale(q)
+    real = None if key_padding_mask is None else ~key_padding_mask.to(device=q.device, dtype=torch.bool)
+    calls = layout.calls if layout is not None else attn.flex_data_calls(q, k, v, real)
+    results = []  # (call, output, lse) in sequence order
+    for index, call in enumerate(calls):
+        occupied = None
+        keys, values = [], []
+        if call.direct is not None:
+            keys.append(in_order(k, call))
+            values.append(in_order(v, call))
+        if call.n_regions:
+            if call.summaries is not None:
+                k_bar, v_bar, occupied = call.summaries(qs, k, v, real)
+            else:
+                k_bar, v_bar, occupied = attn.flex_summaries(index, qs, k, v, real)
+            if call.summary_order is not None:
+                k_bar, v_bar = k_bar.index_select(-2, call.summary_order), v_bar.index_select(-2, call.summary_order)
+                occupied = None if occupied is None else occupied.index_select(-1, call.summary_order)
+            if occupied is not None:  # a region without a real key is masked; its zeros keep 0 * v finite
+                empty_region = ~(occupied[:, None, :, None] if occupied.dim() == 2 else occupied[..., None])
+                k_bar, v_bar = k_bar.masked_fill(empty_region, 0.0), v_bar.masked_fill(empty_region, 0.0)
+            keys.append(k_bar.to(k.dtype))
+            values.append(v_bar.to(v.dtype))
+        kv_len = whole_tiles(call.kv_len(L), tile)
+        if layout is not None:
+            mask = layout.masks[index]
+            if real is not None:
+                mask = with_mask_mod(layout.partial_masks[index], call.mask_mod(L, in_order_rows(real, call), occupied))
+        else:
+            mask_mod = call.mask_mod(L, None if real is None else in_order_rows(real, call), occupied)
+            mask = build_block_mask(mask_mod, q.shape[0], call.heads, L, kv_len, q.device, tile)
+        out, lse = _flex(in_order(qs, call), _tile_padded(keys, kv_len), _tile_padded(values, kv_len), mask)
+        results.append((call, to_sequence(out, call), to_sequence(lse.unsqueeze(-1), call).squeeze(-1)))
+
+    outputs = []
+    for group in sorted({call.group for call in calls}):
+        members = [(call, out, lse) for call, out, lse in results if call.group == group]
+        out, lse = merge_by_lse([o for _, o, _ in members], [lse for _, _, lse in members])
+        if real is not None:  # a query with no real key and no usable region (ops.padding, rule 3)
+            out = torch.where(torch.isneginf(lse).unsqueeze(-1),
+                              _direct_fallback(attn, layout, calls, group, qs, k, v, tile), out)
+        outputs.append(out)
+    return outputs[0] if len(outputs) == 1 else sum(outputs) / len(outputs)
+
+
+def _direct_fallback(attn, layout: StaticLayout | None, calls, group: int, qs, k, v, tile: int) -> torch.Tensor:
+    """The group's output over the unpadded direct keys alone (``ops.padding``'s fallback for empty queries)."""
+    L = qs.shape[-2]
+    parts = []
+    for index, call in enumerate(calls):
+        if call.group != group or call.direct is None:
+            continue
+        kv_len = whole_tiles(L, tile)
+        if layout is not None:
+            mask = layout.direct_masks[index]
+        else:
+            mask = build_block_mask(call.mask_mod(L, direct_only=True), qs.shape[0], call.heads, L, kv_len, qs.device,
+                                    tile)
+        out, lse = _flex(in_order(qs, call), _tile_padded([in_order(k, call)], kv_len),
+                         _tile_padded([in_order(v, call)], kv_len), mask)
+        parts.append((to_sequence(out, call), to_sequence(lse.unsqueeze(-1), call).squeeze(-1)))
+    return merge_by_lse(*zip(*parts))[0]
+
+
+def _tile_padded(parts: list[torch.Tensor], kv_len: int) -> torch.Tensor:
+    """``parts`` ``(B, H, ., D)`` concatenated along the keys and zero-padded to ``kv_len`` slots (masked)."""
+    missing = kv_len - sum(p.shape[-2] for p in parts)
+    if missing:
+        parts = [*parts, parts[0].new_zeros(*parts[0].shape[:-2], missing, parts[0].shape[-1])]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, -2)
+
+
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) -> tuple[torch.Tensor, torch.Tensor]:
+    """One flex call on scaled q (``scale=1``) -> output ``(B, H, L, Dv)`` and natural-log lse ``(B, H, L)``."""
+    if q.is_cuda or torch.compiler.is_compiling():
+        out, aux = flex_attention(q, k, v, block_mask=mask, scale=1.0, return_aux=AuxRequest(lse=True))
+        return out, aux.lse
+    return flex_reference(q, k, v, mask)  # CPU, eager: the unfused reference, forward only (``ops.cpu.kernels``)
+
+
+def in_order(x: torch.Tensor, call: FlexCall) -> torch.Tensor:
+    """(B, H, L, .) in sequence order -> the call's order."""
+    return x if call.order is None else x.index_select(-2, call.order)
+
+
+def in_order_rows(real: torch.Tensor, call: FlexCall) -> torch.Tensor:
+    """(B, L) per-position flags in sequence order -> the call's order."""
+    return real if call.order is None else real.index_select(-1, call.order)
+
+
+def to_sequence(x: torch.Tensor, call: FlexCall) -> torch.Tensor:
+    """(B, H, L, .) in the call's order -> sequence order."""
+    if call.order is None:
+        return x
+    return torch.empty_like(x).index_copy_(-2, call.order, x)
+
+
+def merge_by_lse(outs, lses) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact joint softmax of calls over disjoint key sets from their outputs ``(B, H, L, Dv)`` and
+    log-sum-exps ``(B, H, L)``; a query no call reaches keeps output 0 and lse -inf."""
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    lse = functools.reduce(torch.logaddexp, lses)
+    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    out = sum(o * (part - safe).exp().unsqueeze(-1).to(o.dtype) for o, part in zip(outs, lses))
+    return out, lse

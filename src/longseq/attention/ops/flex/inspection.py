@@ -1,0 +1,51 @@
+"""What a flex layout visits and means, without running an attention: tiles against causal full attention's (the
+benchmark's hardware-independent column) and the calls' masks back as one dense ``Partition`` (tests)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.nn.attention.flex_attention import create_mask
+
+from longseq.attention.ops.flex.block_masks import TILE, causal_full_tiles, static_layout, tile_size, tiles_of
+from longseq.attention.ops.partition import Partition
+
+
+def flex_tiles_visited(attn, L: int, device="cpu", tile: int = TILE) -> float:
+    """Tiles (``tile`` x ``tile``) the flex calls visit at length L, counted from their ``BlockMask``s (partial +
+    full blocks, averaged over the heads the mask distinguishes), divided by causal full attention's at the same
+    L and tile. Hardware independent; no attention runs. NaN for layouts that depend on the data (``routing``)."""
+    if attn.flex_from_data:
+        return math.nan
+    layout = static_layout(attn, L, torch.device(device), tile)
+    total = sum(tiles_of(mask) / call.heads for call, mask in zip(layout.calls, layout.masks))
+    return total / causal_full_tiles(L, tile)
+
+
+def flex_partition(attn, L: int, head: int = 0) -> Partition:
+    """The union of the flex calls' ``create_mask``s at length L as one dense ``Partition`` (sequence order; small
+    L, tests): direct sets from the key columns, one region per summary column (``FlexCall.members``)."""
+    direct = torch.zeros(L, L, dtype=torch.bool)
+    members, usable, anchors, families = [], [], [], []
+    for call in static_layout(attn, L, torch.device("cpu"), tile_size(L)).calls:
+        mask = create_mask(call.mask_mod(L), 1, call.heads, L, call.kv_len(L), "cpu")[0]  # (heads, L, KV)
+        mask = mask[min(head, call.heads - 1)]
+        order = torch.arange(L) if call.order is None else call.order.cpu()
+        keys = L if call.direct is not None else 0
+        if keys:
+            block = torch.zeros(L, L, dtype=torch.bool)
+            block[order.unsqueeze(1), order.unsqueeze(0)] = mask[:, :L]
+            direct |= block
+        if call.n_regions:
+            use = torch.zeros(L, call.n_regions, dtype=torch.bool)
+            use[order] = mask[:, keys:]
+            usable.append(use)
+            members.append(call.members().cpu())
+            anchors.append(torch.full((call.n_regions,), -1, dtype=torch.long) if call.anchors is None
+                           else call.anchors().cpu())
+            families.append(torch.full((call.n_regions,), call.family, dtype=torch.long))
+    if not members:
+        return Partition.direct_only(direct)
+    return Partition.from_candidates(direct, torch.cat(members), torch.cat(usable, 1), torch.cat(families),
+                                     torch.cat(anchors))
