@@ -39,7 +39,7 @@ MASK_L, MASK_BLOCK = 64, 8  # create_mask against the partition's dense support
 
 IMPLEMENTED = {"combiner_fixed", "combiner_logsparse", "combiner_axial", "combiner_axial_vertical",
                "combiner_axial_horizontal", "combiner_mixture", "fixed", "axial", "local", "longformer", "strided",
-               "logsparse", "bigbird", "random", "routing", "combiner_routing"}
+               "logsparse", "bigbird", "random", "routing", "combiner_routing", "moba", "nsa", "combiner_select"}
 
 FLEX_CASES = [(name, causal) for name, causal in CASES if ATTENTION_REGISTRY[name].cls.flex_reason() is None]
 STATIC_CASES = [(name, causal) for name, causal in FLEX_CASES if not ATTENTION_REGISTRY[name].cls.flex_from_data]
@@ -90,8 +90,9 @@ def regions_match(flex_part: Partition, part: Partition) -> None:
     assert ((flex_part.usable.double() @ same.double()) <= 1).all()
 
 
-# layouts read from the geometry alone (``routing``'s masks read the batch's clusters: tested below)
-MASK_CASES = STATIC_CASES
+# layouts read from the geometry alone, against the variant's Partition (``routing``'s masks read the batch's clusters,
+# the block-selecting variants' the batch's choices: tested below)
+MASK_CASES = [(name, causal) for name, causal in STATIC_CASES if not ATTENTION_REGISTRY[name].cls.pattern_from_data]
 
 
 @pytest.mark.parametrize("name,causal", MASK_CASES)
@@ -233,7 +234,7 @@ class FlexStandIn(torch.autograd.Function):
 
 @pytest.fixture
 def flex_stand_in(monkeypatch):
-    monkeypatch.setattr(engine, "_flex", lambda q, k, v, mask: FlexStandIn.apply(q, k, v))
+    monkeypatch.setattr(engine, "flex_call", lambda q, k, v, mask: FlexStandIn.apply(q, k, v))
 
 
 # tracing costs seconds a case: the fast suite traces each variant's first direction unpadded, the slow suite the rest
@@ -334,6 +335,8 @@ def test_bytes_saved_for_backward_outside_the_flex_call(name, flex_stand_in, mon
     L_long, H, D = 16384, 1, 64
     for module in (block_masks, engine):  # static layouts, and the per-batch masks of k-means layouts
         monkeypatch.setattr(module, "build_block_mask", lambda *args, **kwargs: None)
+    monkeypatch.setattr(block_masks, "_all_partial", lambda mask: None)
+    monkeypatch.setattr(engine, "with_mask_mod", lambda mask, mask_mod: None)
     monkeypatch.setattr(block_masks, "_REGISTRY", {})
     attn = build(name, True, seq_len=L_long, block_size=128, n_heads=H, head_dim=D, backend="flex")
     attn = attn.to(torch.bfloat16).train()
@@ -394,3 +397,47 @@ def test_compiled_flex_on_cuda_forward_and_gradients(name, causal):
     torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)
     for got, want in zip(flex_grads, ref_grads):
         torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+# -- query-dependent block selection on gathered queries (``ops.flex.selection``) ---------------------------------
+SELECTING = ["moba", "nsa", "combiner_select"]
+
+
+@pytest.mark.parametrize("length,block", [(384, 48), (512, 256), (320, 64)])
+@pytest.mark.parametrize("name", SELECTING)
+def test_chosen_blocks_on_gathered_queries_straddle_tiles(name, length, block):
+    """Blocks that straddle two 128-key tiles (m = 48), span several (m = 256) or end in a short last tile
+    (L = 320): every (query, block) pair's tile names the block's key tiles, so the flex forward is the dense
+    reference's, padded or not."""
+    attn = build(name, True, seq_len=length, block_size=block, head_dim=16).eval()
+    pad = torch.zeros(2, length, dtype=torch.bool)
+    pad[1, length - block - 5 :] = True
+    with torch.no_grad():
+        q, k, v = random_qkv(L=length, D=16, dtype=torch.float32, seed=12)
+        for key_padding in (None, pad):
+            kwargs = {} if key_padding is None else {"key_padding_mask": key_padding}
+            torch.testing.assert_close(flex_forward(attn, q, k, v, key_padding),
+                                       attn.attention_matrix(q, k, v, **kwargs) @ v, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name", SELECTING)
+def test_near_tie_selections_are_the_variants_own(name, causal):
+    """Blocks whose scores tie exactly (repeated key blocks: equal means, equal summaries, equal importances): the
+    flex path takes the blocks ``choose`` takes (ties to the lower index), which the dense reference takes too."""
+    if not ATTENTION_REGISTRY[name].cls.supports_bidirectional and not causal:
+        pytest.skip("causal only")
+    attn = build(name, causal, seq_len=L, block_size=BLOCK).eval()
+    q, k, v = random_qkv(L=L, dtype=torch.float32, seed=13)
+    k = k.clone()
+    k[..., BLOCK : 2 * BLOCK, :] = k[..., :BLOCK, :]  # blocks 0, 1 and 2 alike
+    k[..., 2 * BLOCK : 3 * BLOCK, :] = k[..., :BLOCK, :]
+    with torch.no_grad():
+        torch.testing.assert_close(flex_forward(attn, q, k, v), attn.attention_matrix(q, k, v) @ v, atol=1e-5, rtol=0)
+
+
+def test_combiner_select_other_partitions_say_why_they_have_no_flex_layout():
+    attn = build("combiner_select", True, seq_len=L, block_size=BLOCK, partition="axial_vertical")
+    assert "attention.partition=fixed" in attn.flex_config_reason()
+    with pytest.raises(AttentionConfigError, match="attention.backend=flex"):
+        build("combiner_select", True, seq_len=L, block_size=BLOCK, partition="axial_vertical", backend="flex")

@@ -323,9 +323,9 @@ def test_nsa_importance_is_the_product_with_the_overlap_matrix(l, d, m):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_nsa_scores_in_row_chunks_choose_the_same_blocks(causal, monkeypatch):
-    """``choose`` scores the query rows in chunks under ``SCORE_CHUNK_BYTES`` on CPU: the same blocks and flags as
-    all rows at once (chunks of a few rows here), with and without padding's occupied blocks."""
-    from longseq.attention.sparse import nsa as nsa_module
+    """``choose`` scores the query rows in chunks under ``SCORE_CHUNK_BYTES`` (``ops.block_select``): the same blocks
+    and flags as all rows at once (chunks of a few rows here), with and without padding's occupied blocks."""
+    from longseq.attention.ops import block_select
 
     attn = nsa(causal)
     q, k, _ = random_qkv(B=2, L=L32)
@@ -336,7 +336,7 @@ def test_nsa_scores_in_row_chunks_choose_the_same_blocks(causal, monkeypatch):
     everywhere = torch.ones(1, 1, 1, k_c.shape[-2], dtype=torch.bool)  # one row broadcast over the queries
     for blocks, usable in ((None, allowed), (occupied, allowed), (None, everywhere)):
         whole = attn.choose(qs, k_c, usable, pos, L32 // M, blocks)
-        monkeypatch.setattr(nsa_module, "SCORE_CHUNK_BYTES", 5 * 2 * 2 * (k_c.shape[-2] + 8) * 4)  # 5 rows
+        monkeypatch.setitem(block_select.SCORE_CHUNK_BYTES, "cpu", 5 * 2 * 2 * (k_c.shape[-2] + 8) * 4)  # 5 rows
         chunked = attn.choose(qs, k_c, usable, pos, L32 // M, blocks)
         monkeypatch.undo()
         assert all(torch.equal(a, b) for a, b in zip(whole, chunked))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable
 
 import torch
 from torch import nn
@@ -157,7 +158,7 @@ class Attention(nn.Module):
 
     def dispatch_variant(self) -> dispatch.Variant:
         """The static facts the dispatch decides on."""
-        flex = self._flex_reason[0] if self._flex_reason is not None else self.flex_reason()
+        flex = self._flex_reason[0] if self._flex_reason is not None else self.flex_reason() or self.flex_config_reason()
         return dispatch.Variant(self.name, self.family, self.causal, self.cpu_flash, flex)
 
     def check_backend(self) -> None:
@@ -165,15 +166,17 @@ class Attention(nn.Module):
         the variant is built); caches the flex layout check. Building attentions starts a new run for the
         once-per-run log of the choices (``ops.dispatch.log_choice``)."""
         dispatch.new_run()
-        self._flex_reason = (self.flex_reason(),)
+        self._flex_reason = (self.flex_reason() or self.flex_config_reason(),)
         if self.backend != "auto":
             reason = dispatch.static_reason(self.backend, self.dispatch_variant())
             if reason is not None:
                 raise AttentionConfigError(dispatch.refusal(self.backend, reason))
 
     # -- the flex layout (``ops.flex``): a variant with one overrides ``flex_calls`` and ``flex_summaries`` (or, when
-    # its masks depend on the batch, sets ``flex_from_data`` and overrides ``flex_data_calls``) ---------------------
+    # its masks depend on the batch, sets ``flex_from_data`` and overrides ``flex_data_calls``); a variant that
+    # selects blocks per query sets ``flex_selects`` and adds the per-batch hooks below ---------------------------
     flex_from_data: bool = False
+    flex_selects: bool = False  # its calls' masks read a per-batch state (``flex_call_mask``)
 
     def flex_calls(self, length: int, device: torch.device) -> list:
         """The flex calls (``ops.flex.FlexCall``: masks and orders, no tensors of the batch) at ``length``."""
@@ -184,11 +187,35 @@ class Attention(nn.Module):
         raise NotImplementedError
 
     def flex_summaries(self, index: int, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       real: torch.Tensor | None):
+                       real: torch.Tensor | None, state=None):
         """Summary keys ``(B, H, R, D)``, values ``(B, H, R, Dv)`` and ``occupied`` (``(B, R)`` or ``(B, H, R)`` bool:
         the region holds a real key; None unpadded) of call ``index``, from scaled queries and keys, values in
-        sequence order; ``real`` ``(B, L)`` (True = real key) or None."""
+        sequence order; ``real`` ``(B, L)`` (True = real key) or None; ``state`` the batch's ``flex_batch_state``."""
         raise NotImplementedError
+
+    def flex_batch_state(self, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None,
+                         tile: int):
+        """What this batch decides once for every call (a selecting variant's chosen blocks); None by default."""
+        return None
+
+    def flex_call_mask(self, index: int, state) -> Callable | None:
+        """A per-batch condition ``(b, h, q, kv) -> bool`` that call ``index``'s slots must also meet (e.g. a summary
+        whose region came back at full resolution is not used twice); None: the call's static mask alone."""
+        return None
+
+    def flex_extra_parts(self, state, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None,
+                         tile: int) -> list:
+        """Parts of a group's softmax computed outside the static calls, as ``(group, out (B, H, L, Dv), lse
+        (B, H, L))`` (chosen blocks at full resolution, ``ops.flex.selection``); none by default."""
+        return []
+
+    def flex_group_weights(self, state, q: torch.Tensor) -> torch.Tensor | None:
+        """Weights ``(B, H, L, groups)`` of the groups' outputs (NSA's gates); None: their average."""
+        return None
+
+    def flex_config_reason(self) -> str | None:
+        """Why this build (its knobs) has no flex layout although the class has one (None: it has one)."""
+        return None
 
     @classmethod
     def flex_reason(cls) -> str | None:

@@ -236,7 +236,7 @@ class CombinerAxialRowMajor(BlockGrid, PartitionDecoder, Attention):
                 FlexCall(None, order, length, own_column(grid.n_rows, self.causal), members, lambda: order)]
 
     def flex_summaries(self, index: int, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       real: torch.Tensor | None):
+                       real: torch.Tensor | None, state=None):
         """The anchored row summaries ``(B, H, L, .)`` in column order (slot ``c * n + r'``): unpadded, one SDPA of
         every query over its own row (``forward_fused``'s); padded, the masked row softmax with padded anchors
         replaced by their row's first real position (``ops.padding``)."""

@@ -161,7 +161,7 @@ class CombinerFixedAttention(BlockGrid, PooledCombiner, Attention):
         return [FlexCall(same_block(m, causal), None, n, usable, members)]
 
     def flex_summaries(self, index: int, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       real: torch.Tensor | None):
+                       real: torch.Tensor | None, state=None):
         """Each segment's pooled key and local expectation ``(B, H, n, .)`` (``RegionSummary.region_summaries`` over
         the segments' real members); ``occupied`` ``(B, n)`` under padding."""
         B, L = qs.shape[0], qs.shape[-2]

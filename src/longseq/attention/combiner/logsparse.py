@@ -176,7 +176,7 @@ class CombinerLogsparseAttention(PooledCombiner, Attention):
                          summary_order=flex_region_rows(level, chunk, future, L))]
 
     def flex_summaries(self, index: int, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       real: torch.Tensor | None):
+                       real: torch.Tensor | None, state=None):
         """Every summarized block's pooled key and local expectation: per level the even full chunks of the (for the
         future: reversed) sequence, pooled over real members, level-major (the call's ``summary_order`` puts them in
         KV order)."""

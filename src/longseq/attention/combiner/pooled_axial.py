@@ -535,7 +535,7 @@ class PooledAxialAttention(BlockGrid, PooledCombiner, Attention):
                                  family=HORIZONTAL, group=1 if average else 0)]
 
     def flex_summaries(self, index: int, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       real: torch.Tensor | None):
+                       real: torch.Tensor | None, state=None):
         """Call 0's vertical summaries (row-major slots) or the column call's horizontal ones (column-major slots).
         Unpadded they are the fused path's: running pools and one causal SDPA per region kind (``running_summaries``,
         nothing of size n x n or m x m is kept for the backward); padded, the explicit padded pools."""

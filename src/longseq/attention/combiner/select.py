@@ -21,7 +21,9 @@ computed apart and merged by log-sum-exp (``ops.block_select``): the direct keys
 tiles of queries sharing one region, and the other usable summaries (fixed: one ``(L, n)`` product; on the CPU
 engine one flash call over every summary, the chosen and unusable ones masked). Cost
 O(L (Kd + k Km + Kr) D) for Kd direct keys, Km members per region and Kr usable regions per query (fixed: m, m, n),
-never an ``L x L`` tensor. No FlexAttention path yet.
+never an ``L x L`` tensor. FlexAttention (``attention.backend=flex``, auto on CUDA; partition=fixed): combiner_fixed's
+call over [own segment ; summaries] with each query's chosen summaries masked by a per-batch mask_mod on its static
+tiles, and the chosen segments on gathered queries (``ops.flex.selection``), merged into the one softmax.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from longseq.attention.ops.block_select import (
 )
 from longseq.attention.ops.cpu.flash_lse import flash_lse, pad_for_flash
 from longseq.attention.ops.decoding import PartitionDecoder, PartitionState, index_table
+from longseq.attention.ops.flex.selection import selected_blocks
 from longseq.attention.ops.masks import NEG_INF
 from longseq.attention.ops.partition import Partition
 from longseq.attention.registry import (
@@ -194,6 +197,57 @@ class CombinerSelectAttention(PartitionDecoder, Attention):
         if drop:
             weights = torch.nn.functional.dropout(weights, drop)
         return (weights.unsqueeze(-2).to(v.dtype) @ gather_keys(v, direct)).squeeze(-2), lse
+
+    # -- the flex layout (``ops.flex``), partition=fixed: combiner_fixed's call without the chosen segments'
+    # summaries, the chosen segments on gathered queries (``ops.flex.selection``), one softmax ----------------------
+    flex_selects = True
+
+    def flex_config_reason(self) -> str | None:
+        if self.inner.name != "combiner_fixed":
+            return (f"its flex layout is written for attention.partition=fixed (its regions are key blocks); "
+                    f"{self.inner.name}'s are not")
+        return None
+
+    def flex_calls(self, length: int, device: torch.device) -> list:
+        return self.inner.flex_calls(length, device)
+
+    def flex_batch_state(self, qs, k, v, real, tile):
+        """The segments' summaries (the inner Combiner's) and each query's ``top_k`` usable segments by
+        ``q . k_bar`` (``choose``, the rule of ``forward``)."""
+        k_bar, v_bar, occupied = self.inner.flex_summaries(0, qs, k, v, real)
+        L = qs.shape[-2]
+        m = self.inner.block_size
+        segment = torch.arange(L, device=qs.device) // m
+        other = torch.arange(L // m, device=qs.device)
+        usable = (other < segment.view(-1, 1)) if self.causal else (other != segment.view(-1, 1))  # (L, n)
+        usable = usable.view(1, 1, L, -1) if occupied is None else usable & occupied.view(-1, 1, 1, L // m)
+        if self.top_k == 0:
+            return k_bar, v_bar, occupied, None, None
+        return k_bar, v_bar, occupied, *self.choose(qs, k_bar, None, usable)
+
+    def flex_summaries(self, index, qs, k, v, real, state=None):
+        return state[:3]
+
+    def flex_call_mask(self, index, state):
+        chosen, ok = state[3:]
+        if chosen is None:
+            return None
+        L, K = chosen.shape[-2], chosen.shape[-1]
+
+        def not_chosen(b, h, q, kv):  # a summary slot kv = L + r is left out when the query chose segment r
+            region = kv - L
+            keep = ~((region == chosen[b, h, q, 0]) & ok[b, h, q, 0])
+            for j in range(1, K):  # top_k, a handful: unrolled
+                keep = keep & ~((region == chosen[b, h, q, j]) & ok[b, h, q, j])
+            return keep
+
+        return not_chosen
+
+    def flex_extra_parts(self, state, qs, k, v, real, tile):
+        chosen, ok = state[3:]
+        if chosen is None:
+            return []
+        return [(0, *selected_blocks(qs, k, v, chosen, ok, self.inner.block_size, tile, real))]
 
     # -- the contract ---------------------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

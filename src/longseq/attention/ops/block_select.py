@@ -31,6 +31,7 @@ import torch
 
 from longseq.attention.ops.amp import autocast_function
 from longseq.attention.ops.cpu.flash_lse import FlashInputs, flash_lse
+from longseq.attention.ops.cpu.memory import FRESH_MAP_BYTES
 from longseq.attention.ops.dispatch import CpuFlash
 from longseq.attention.ops.masks import NEG_INF
 
@@ -49,6 +50,32 @@ def flash_inputs(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
     if attention.backend_for(q, k, v, key_padding_mask) != "cpu_flash":
         return None
     return FlashInputs.of(qs, k, v)
+
+
+# Selection scores ``(T, C)`` in fp32 per head are scored in chunks of query rows under this many bytes: on CPU under
+# glibc's fresh-mmap size (at L = 16384 a group of two of nsa's heads scored 32 MiB at once: two fresh maps per
+# call); on a GPU a bound on the transient memory (moba's scores at L = 65,536, H 8: 0.5 GB in one piece)
+SCORE_CHUNK_BYTES = {"cpu": FRESH_MAP_BYTES // 4, "cuda": 1 << 27}
+
+
+def by_query_chunks(choose, T: int, row_bytes: int, device: torch.device, *rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """``choose(*rows)`` -> ``(blocks, ok)`` ``(B, H, T, k)`` over chunks of the T query rows whose scores (``row_bytes``
+    a row) stay under ``SCORE_CHUNK_BYTES``; ``rows`` are sliced along axis -2 where they have T rows (others, e.g.
+    ``(B, 1, 1, n)``, pass whole; 1-D ``(T,)`` positions are sliced too). Rows are independent, so the choice is the
+    same in one piece."""
+    budget = SCORE_CHUNK_BYTES.get(torch.device(device).type, SCORE_CHUNK_BYTES["cuda"])
+    size = max(1, budget // max(row_bytes, 1))
+    if size >= T:
+        return choose(*rows)
+    def rows_of(x, a):
+        if isinstance(x, torch.Tensor) and x.dim() == 1 and x.shape[0] == T:  # per-row positions
+            return x[a : a + size]
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[-2] == T:
+            return x[..., a : a + size, :]
+        return x
+
+    picks = [choose(*(rows_of(x, a) for x in rows)) for a in range(0, T, size)]
+    return torch.cat([p[0] for p in picks], -2), torch.cat([p[1] for p in picks], -2)
 
 
 def top_blocks(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

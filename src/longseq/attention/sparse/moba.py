@@ -15,8 +15,9 @@ Key padding (``ops.padding``): a block's mean key averages its real keys only, a
 chosen, padded keys get no weight, and a query left without a real key falls back to its unpadded own block.
 Decoding (causal): a KV cache plus each block's mean key, computed once when the block completes; a step scores the
 completed blocks, keeps the ``top_k`` best and attends them and its own block, as ``forward`` does. Public MoBA
-code falls back to dense attention to decode; this one does not. No FlexAttention path yet (the block choice is
-per query, which a FlexAttention block mask expresses only per tile).
+code falls back to dense attention to decode; this one does not. FlexAttention (``attention.backend=flex``, auto on
+CUDA): the own block as a static call and the chosen blocks on gathered queries (``ops.flex.selection``: a block mask
+describes tiles of queries, so a per-query choice is made one by moving the queries), merged into the one softmax.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from longseq.attention.ops.block_select import (
     CPU_FLASH,
     block_attention,
     block_table,
+    by_query_chunks,
     flash_inputs,
     gathered_attention,
     grouped_attention,
@@ -39,6 +41,8 @@ from longseq.attention.ops.block_select import (
     top_blocks,
 )
 from longseq.attention.ops.decoding import KVCache
+from longseq.attention.ops.flex.calls import FlexCall, same_block
+from longseq.attention.ops.flex.selection import selected_blocks
 from longseq.attention.ops.geometry import BlockGrid
 from longseq.attention.ops.masks import NEG_INF, full_mask, other_blocks_mask
 from longseq.attention.registry import register_attention
@@ -77,11 +81,16 @@ class MobaAttention(BlockGrid, Attention):
     # -- selection (one rule for forward, the dense reference and decoding) ------------------------------------
     def choose(self, qs: torch.Tensor, k_bar: torch.Tensor, choosable: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``top_k`` blocks of each query: scaled ``qs`` ``(B, H, T, D)``, block mean keys ``k_bar``
-        ``(B, H, n, D)``, ``choosable`` ``(B|1, 1, T|1, n)`` bool -> ``(blocks, ok)`` ``(B, H, T, k)``."""
-        with scoring(qs):
-            dtype = score_dtype(qs)
-            scores = (qs.to(dtype) @ k_bar.to(dtype).transpose(-1, -2)).masked_fill(~choosable, NEG_INF)
-        return top_blocks(scores, self.top_k)
+        ``(B, H, n, D)``, ``choosable`` ``(B|1, 1, T|1, n)`` bool -> ``(blocks, ok)`` ``(B, H, T, k)``; the scores in
+        chunks of query rows (``by_query_chunks``)."""
+        def rows(qs_, choosable_):
+            with scoring(qs_), torch.no_grad():
+                dtype = score_dtype(qs_)
+                scores = (qs_.to(dtype) @ k_bar.to(dtype).transpose(-1, -2)).masked_fill(~choosable_, NEG_INF)
+            return top_blocks(scores, self.top_k)
+
+        B, H, T, _ = qs.shape
+        return by_query_chunks(rows, T, B * H * k_bar.shape[-2] * 4, qs.device, qs, choosable)
 
     def block_means(self, k: torch.Tensor, real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Mean key of every block ``(B, H, n, D)`` over its real keys, and which blocks have one ``(B, 1, 1, n)``
@@ -127,6 +136,25 @@ class MobaAttention(BlockGrid, Attention):
             unpadded = block_attention(qs, k, v, m, within, drop, flash).out
             out = torch.where((lse > NEG_INF).unsqueeze(-1), out, unpadded)
         return out
+
+    # -- the flex layout (``ops.flex``): the own block as a static call, the chosen blocks gathered, one softmax ------
+    def flex_calls(self, length: int, device: torch.device) -> list[FlexCall]:
+        return [FlexCall(same_block(self.block_size, self.causal))]
+
+    def flex_batch_state(self, qs, k, v, real, tile):
+        """This batch's choice ``(blocks, ok)`` ``(B, H, L, top_k)``, as ``forward`` makes it."""
+        L = qs.shape[-2]
+        n = L // self.block_size
+        k_bar, occupied = self.block_means(k, real)
+        pos = torch.arange(L, device=qs.device)
+        choosable = other_blocks_mask(n, self.causal, qs.device)[pos // self.block_size].view(1, 1, L, n)
+        return self.choose(qs, k_bar, choosable if occupied is None else choosable & occupied)
+
+    def flex_extra_parts(self, state, qs, k, v, real, tile):
+        if self.top_k == 0:
+            return []
+        chosen, ok = state
+        return [(0, *selected_blocks(qs, k, v, chosen, ok, self.block_size, tile, real))]
 
     def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:

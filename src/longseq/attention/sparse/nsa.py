@@ -54,6 +54,7 @@ from longseq.attention.ops.block_select import (
     Part,
     block_attention,
     block_table,
+    by_query_chunks,
     flash_inputs,
     gathered_attention,
     grouped_attention,
@@ -66,8 +67,9 @@ from longseq.attention.ops.block_select import (
     weighted_sum,
 )
 from longseq.attention.ops.cpu.flash_lse import flash_lse, pad_for_flash
-from longseq.attention.ops.cpu.memory import FRESH_MAP_BYTES
 from longseq.attention.ops.decoding import KVCache
+from longseq.attention.ops.flex.calls import FlexCall, same_block
+from longseq.attention.ops.flex.selection import selected_blocks
 from longseq.attention.ops.geometry import BlockGrid
 from longseq.attention.ops.masks import NEG_INF, full_mask
 from longseq.attention.registry import register_attention
@@ -78,9 +80,6 @@ GATE_KINDS = ("normalized", "sigmoid")
 # fwd + bwd at L = 16384 (B1 H8 D64, 255 pooled tokens) 1, 2, 4, 8 chunks took 1, 0.82, 0.68, 0.62 of one call's time
 # (16 and 32 as 8)
 COMPRESS_CHUNKS = 8
-# CPU: the fp32 (T, C) scores of ``choose`` in row chunks under glibc's fresh-mmap size (at L = 16384 a group of two
-# heads scored 32 MiB at once: two fresh maps per call)
-SCORE_CHUNK_BYTES = FRESH_MAP_BYTES // 4
 
 
 @dataclass
@@ -168,6 +167,24 @@ class NativeSparseAttention(BlockGrid, Attention):
             return logits.softmax(-1).nan_to_num(0.0)
         return logits.softmax(-1)
 
+    def compressed(self, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None):
+        """The compression branch's keys and values ``(B, H, C, .)`` pooled from k, v ``(B, H, L, .)`` over the real
+        tokens (``real`` ``(B, L)`` or None), and ``compressed_ok`` ``(B|1, 1, L, C)``: the query at each position may
+        use the block (causal: complete; padded: it holds a real token)."""
+        L = k.shape[-2]
+        C, l, d = self.n_compressed(L), self.compress_block, self.compress_stride
+        real_c = None if real is None else real.unfold(1, l, d).unsqueeze(1)  # (B, 1, C, l)
+        if C and self.compress == "mean" and real is None and l % d == 0 and L % d == 0:
+            k_c, v_c = self.mean_pool(k, C), self.mean_pool(v, C)
+        elif C:
+            k_c, v_c = self.compress_blocks(*(x.unfold(2, l, d).transpose(-1, -2) for x in (k, v)), real_c)
+        else:
+            k_c, v_c = k[:, :, :0], v[:, :, :0]
+        compressed_ok = self.compressed_allowed(torch.arange(L, device=k.device), C).view(1, 1, L, C)
+        if real_c is not None:
+            compressed_ok = compressed_ok & real_c.any(-1).unsqueeze(-2)
+        return k_c, v_c, compressed_ok
+
     def compress_blocks(self, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
                         real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Pooled keys and values ``(B, H, C, D)`` of compression blocks ``(B, H, C, l, D)``."""
@@ -223,15 +240,13 @@ class NativeSparseAttention(BlockGrid, Attention):
 
         qs ``(B, H, T, D)``, k_c ``(B, H, C, D)``, compressed_ok ``(B|1, 1, T, C)``, positions ``(T,)``;
         ``occupied`` ``(B, 1, 1, S)`` (blocks with a real key) or None. Returns ``(blocks, ok)`` ``(B, H, T, n)``.
-        Rows are independent: on CPU they are scored in chunks whose (T, C) scores stay under ``SCORE_CHUNK_BYTES``."""
+        Rows are independent: they are scored in chunks (``ops.block_select.by_query_chunks``)."""
         B, H, T, _ = qs.shape
-        rows = max(1, SCORE_CHUNK_BYTES // (B * H * (k_c.shape[-2] + 8) * 4))
-        if rows >= T or qs.device.type != "cpu":
-            return self.choose_rows(qs, k_c, compressed_ok, positions, n_select, occupied)
-        rows_of = lambda x, a: x[..., a:a + rows, :] if x.shape[-2] > 1 else x  # noqa: E731  (T or 1 rows)
-        picks = [self.choose_rows(qs[:, :, a:a + rows], k_c, rows_of(compressed_ok, a), positions[a:a + rows],
-                                  n_select, occupied) for a in range(0, T, rows)]
-        return torch.cat([p[0] for p in picks], 2), torch.cat([p[1] for p in picks], 2)
+
+        def rows(qs_, compressed_ok_, positions_):
+            return self.choose_rows(qs_, k_c, compressed_ok_, positions_, n_select, occupied)
+
+        return by_query_chunks(rows, T, B * H * (k_c.shape[-2] + 8) * 4, qs.device, qs, compressed_ok, positions)
 
     def choose_rows(self, qs, k_c, compressed_ok, positions, n_select, occupied=None):
         """``choose`` on one chunk of query rows (the same arguments)."""
@@ -430,16 +445,8 @@ class NativeSparseAttention(BlockGrid, Attention):
         flash = flash_inputs(self, q, k, v, qs, key_padding_mask)
 
         # compression: blocks of l every d tokens, pooled; one dense softmax over the L / d pooled tokens
-        C, l, d = self.n_compressed(L), self.compress_block, self.compress_stride
-        blocks = lambda x: x.unfold(2, l, d).transpose(-1, -2)  # noqa: E731  (B, H, C, l, D)
-        real_c = None if real is None else real.unfold(1, l, d).unsqueeze(1)  # (B, 1, C, l)
-        if C and self.compress == "mean" and real is None and l % d == 0 and L % d == 0:
-            k_c, v_c = self.mean_pool(k, C), self.mean_pool(v, C)
-        else:
-            k_c, v_c = self.compress_blocks(blocks(k), blocks(v), real_c) if C else (k[:, :, :0], v[:, :, :0])
-        compressed_ok = self.compressed_allowed(pos, C).view(1, 1, L, C)
-        if real_c is not None:
-            compressed_ok = compressed_ok & real_c.any(-1).unsqueeze(-2)
+        k_c, v_c, compressed_ok = self.compressed(k, v, real)
+        C = k_c.shape[-2]
         has_compressed = compressed_ok.any(-1, keepdim=True)
         if C and flash is not None:  # fused CPU flash calls; a query without a usable block gets 0
             out_c = self.compressed_flash(flash.q, k_c, v_c, compressed_ok)
@@ -455,6 +462,59 @@ class NativeSparseAttention(BlockGrid, Attention):
         else:
             selection, window = self.padded_selection_and_window(qs, k, v, real, chosen, ok, m, drop, flash)
         return self.mix(self.gate_values(q, has_compressed), [out_c, selection, window])
+
+    # -- the flex layout (``ops.flex``): one group a branch (its own softmax), mixed by the gates -----------------
+    def flex_calls(self, length: int, device: torch.device) -> list[FlexCall]:
+        """Compression: the queries against the pooled tokens alone (causal: the complete blocks); selection: the
+        forced blocks (block 0, the own block and the ``local_blocks - 1`` before it; causal: up to self) as a static
+        call, the free picks on gathered queries (``flex_extra_parts``); window: the band."""
+        L, m, causal = length, self.block_size, self.causal
+        l, d, local = self.compress_block, self.compress_stride, self.local_blocks
+        C = self.n_compressed(L)
+        back, ahead = self.reach(L)
+
+        def complete(b, h, q, c):
+            return (c * d + l - 1 <= q) if causal else c >= 0
+
+        def compressed_members():
+            start = torch.arange(C, device=device).view(C, 1) * d
+            pos = torch.arange(L, device=device).view(1, L)
+            return (pos >= start) & (pos < start + l)
+
+        def forced(b, h, q, kv):
+            own, block = q // m, kv // m
+            ok = (block == 0) | ((block <= own) & (block > own - local))
+            return ok & (kv <= q) if causal else ok
+
+        def window(b, h, q, kv):
+            return (q - kv <= back) & (kv - q <= ahead)
+
+        return [FlexCall(None, None, C, complete, compressed_members, group=0),
+                FlexCall(forced, group=1, fallback=same_block(m, causal)),
+                FlexCall(window, group=2)]
+
+    def flex_batch_state(self, qs, k, v, real, tile):
+        """The pooled tokens, which queries have one, and each query's selection (``choose``, as ``forward``)."""
+        B, _, L, _ = qs.shape
+        S, m = L // self.block_size, self.block_size
+        k_c, v_c, compressed_ok = self.compressed(k, v, real)
+        occupied = None if real is None else real.view(B, 1, 1, S, m).any(-1)
+        chosen, ok = self.choose(qs, k_c, compressed_ok, torch.arange(L, device=qs.device), S, occupied)
+        own = (torch.arange(L, device=qs.device) // m).view(1, 1, L, 1)
+        forced = (chosen == 0) | ((chosen <= own) & (chosen > own - self.local_blocks))
+        occupied_c = None if real is None else compressed_ok.any(-2).squeeze(1)  # (B, C): a real token pooled
+        return k_c, v_c, occupied_c, compressed_ok.any(-1), chosen, ok & ~forced
+
+    def flex_summaries(self, index, qs, k, v, real, state=None):
+        return state[:3]
+
+    def flex_extra_parts(self, state, qs, k, v, real, tile):
+        chosen, free = state[4:]
+        return [(1, *selected_blocks(qs, k, v, chosen, free, self.block_size, tile, real, causal=self.causal))]
+
+    def flex_group_weights(self, state, q):
+        has_compressed = state[3].unsqueeze(-1)  # (B|1, 1, L, 1)
+        return self.gate_values(q, has_compressed)
 
     def branch_matrices(self, q: torch.Tensor, k: torch.Tensor, key_padding_mask: torch.Tensor | None = None):
         """Dense reference (small L): the gates ``(B, H, L, 3)`` and each branch's effective weights over the original

@@ -16,7 +16,7 @@ the next call finds the entry and compiles without it).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -114,9 +114,10 @@ def causal_full_tiles(L: int, tile: int = TILE) -> float:
 class StaticLayout:
     """A variant's flex calls at one length with their block masks, shared by every module of the same geometry.
 
-    ``masks[i]`` is call i's block mask over its KV padded to whole tiles (``kv_lens[i]``); the padded-batch
-    masks (``partial_masks``: every tile partial; ``direct_masks``: the direct keys alone, for queries that padding
-    leaves with nothing) are built on the first padded batch (``with_padding``)."""
+    ``masks[i]`` is call i's block mask over its KV padded to whole tiles (``kv_lens[i]``); the per-batch masks
+    (``partial_masks``: the same tiles all partial, for a mask_mod that reads the batch: its padding or the variant's
+    selection; ``direct_masks``: the fallback keys alone, for queries that padding leaves with nothing) are built
+    when a call first needs them (``static_layout``'s ``per_batch`` and ``padded``)."""
 
     calls: tuple[FlexCall, ...]
     L: int
@@ -126,25 +127,26 @@ class StaticLayout:
     masks: tuple[BlockMask, ...]
     partial_masks: tuple[BlockMask, ...] | None = None
     direct_masks: tuple[BlockMask | None, ...] | None = None
-    padded_ready: bool = field(default=False)
 
 
 _REGISTRY: dict[tuple, StaticLayout] = {}
 
 
-def static_layout(attn, L: int, device: torch.device, tile: int, padded: bool = False) -> StaticLayout:
-    """``attn``'s layout at length L on ``device`` (with its padded-batch masks when ``padded``), from the registry.
-    The module keeps a reference per (L, tile, device, padded) in its own ``flex_layouts`` dict, so a traced call
+def static_layout(attn, L: int, device: torch.device, tile: int, padded: bool = False,
+                  per_batch: bool = False) -> StaticLayout:
+    """``attn``'s layout at length L on ``device`` from the registry, with its per-batch masks when a call needs them
+    (``per_batch``: a mask_mod that reads the batch; ``padded``: key padding, which also needs the fallback masks).
+    The module keeps a reference per (L, tile, device, needs) in its own ``flex_layouts`` dict, so a traced call
     reads (and guards on) one attribute of its own, not the registry that other variants keep growing."""
-    key = (L, tile, device.type, device.index, padded)
+    key = (L, tile, device.type, device.index, padded, per_batch)
     layout = attn.flex_layouts.get(key)
     if layout is None:
-        layout = attn.flex_layouts[key] = _register(attn, L, device, tile, padded)
+        layout = attn.flex_layouts[key] = _register(attn, L, device, tile, padded, per_batch)
     return layout
 
 
 @torch.compiler.disable
-def _register(attn, L: int, device: torch.device, tile: int, padded: bool) -> StaticLayout:
+def _register(attn, L: int, device: torch.device, tile: int, padded: bool, per_batch: bool) -> StaticLayout:
     key = (attn.flex_key(), L, tile, device.type, device.index)
     layout = _REGISTRY.get(key)
     if layout is None:
@@ -153,13 +155,13 @@ def _register(attn, L: int, device: torch.device, tile: int, padded: bool) -> St
         masks = tuple(build_block_mask(call.mask_mod(L), 1, call.heads, L, kv, device, tile)
                       for call, kv in zip(calls, kv_lens))
         layout = _REGISTRY[key] = StaticLayout(calls, L, tile, device, kv_lens, masks)
-    if padded and not layout.padded_ready:
+    if (padded or per_batch) and layout.partial_masks is None:
         layout.partial_masks = tuple(_all_partial(mask) for mask in layout.masks)
+    if padded and layout.direct_masks is None:
         layout.direct_masks = tuple(
             None if call.direct is None else
             build_block_mask(call.mask_mod(L, direct_only=True), 1, call.heads, L, whole_tiles(L, tile), device, tile)
             for call in layout.calls)
-        layout.padded_ready = True
     return layout
 
 

@@ -41,6 +41,8 @@ class FlexCall:
         summaries: ``summaries(qs, k, v, real) -> (k_bar, v_bar, occupied)`` for a call of a layout that depends on
             the batch (``Attention.flex_data_calls``: its regions are this batch's clusters); None: the variant's
             ``flex_summaries``.
+        fallback: the direct keys a query takes when padding leaves its group nothing (``ops.padding``'s rule 3);
+            None: ``direct`` itself.
     """
 
     direct: Callable | None
@@ -54,6 +56,7 @@ class FlexCall:
     group: int = 0
     summary_order: torch.Tensor | None = None
     summaries: Callable | None = None
+    fallback: Callable | None = None
 
     def kv_len(self, L: int, direct_only: bool = False) -> int:
         """KV length of the call: [L keys ;] R summaries (the keys alone with ``direct_only``)."""
@@ -61,13 +64,14 @@ class FlexCall:
         return keys if direct_only else keys + self.n_regions
 
     def mask_mod(self, L: int, real: torch.Tensor | None = None, occupied: torch.Tensor | None = None,
-                 direct_only: bool = False) -> Callable:
+                 direct_only: bool = False, also: Callable | None = None) -> Callable:
         """The call's ``mask_mod(b, h, q, kv)`` over ``[L keys ; R summaries ; tile padding]``; with ``real``
         ``(B, L)`` (call order) and ``occupied`` ``(B, R)`` (``(B, H, R)`` for per-head regions) the per-document
-        padding masks; ``direct_only`` drops the summaries. KV slots past ``kv_len`` (the padding that makes KV a
-        whole number of tiles) are never attended."""
+        padding masks; ``direct_only`` keeps the fallback keys alone (``fallback``, else ``direct``); ``also`` a
+        per-batch condition of the variant (``Attention.flex_call_mask``) that every allowed slot must meet too. KV
+        slots past ``kv_len`` (the padding that makes KV a whole number of tiles) are never attended."""
         R = 0 if direct_only else self.n_regions
-        direct, usable = self.direct, self.usable
+        direct, usable = (self.fallback or self.direct) if direct_only else self.direct, self.usable
         keys = L if direct is not None else 0
 
         def mask_mod(b, h, q, kv):
@@ -83,7 +87,7 @@ class FlexCall:
                 if occupied is not None:
                     use = use & (occupied[b, region] if occupied.dim() == 2 else occupied[b, h, region])
                 ok = use if ok is None else ok | use
-            return ok
+            return ok if also is None else ok & also(b, h, q, kv)
 
         return mask_mod
 

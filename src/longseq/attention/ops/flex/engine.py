@@ -66,7 +66,7 @@ def flex_forward(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """The attention's forward through FlexAttention: unscaled q, k ``(B, H, L, D)``, v ``(B, H, L, Dv)`` ->
     ``(B, H, L, Dv)``; ``key_padding_mask`` ``(B, L)`` bool (True = pad, ``ops.padding``'s rule). Equals
     ``attention_matrix(q, k, v) @ v`` (no weight dropout). On CPU inputs must not require grad."""
-    reason = attn.flex_reason()
+    reason = attn.flex_reason() or attn.flex_config_reason()
     if reason is not None:
         raise AttentionConfigError(f"attention '{attn.name}' has no flex layout (attention.backend=flex): {reason}")
     if attn.training and attn.dropout > 0:
@@ -78,7 +78,8 @@ def flex_forward(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     tile = tile_size(L)
     layout = None
     if not attn.flex_from_data:
-        layout = static_layout(attn, L, q.device, tile, padded=key_padding_mask is not None)
+        layout = static_layout(attn, L, q.device, tile, padded=key_padding_mask is not None,
+                               per_batch=attn.flex_selects)
     if q.is_cuda and not torch.compiler.is_compiling():
         return _compiled(run_layer)(attn, layout, q, k, v, key_padding_mask, tile)
     return run_layer(attn, layout, q, k, v, key_padding_mask, tile)
@@ -86,13 +87,16 @@ def flex_forward(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def run_layer(attn, layout: StaticLayout | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               key_padding_mask: torch.Tensor | None, tile: int) -> torch.Tensor:
-    """The traced body of ``flex_forward``: summaries, the calls and their merge. ``layout`` None: the variant's calls
-    depend on this batch (``flex_data_calls``)."""
+    """The traced body of ``flex_forward``: the variant's per-batch state (``flex_batch_state``: its block choices),
+    summaries, the calls, the parts computed apart (``flex_extra_parts``: chosen blocks at full resolution), each
+    group's merge into one softmax and the groups' average (or the variant's weights, ``flex_group_weights``).
+    ``layout`` None: the variant's calls depend on this batch (``flex_data_calls``)."""
     L = q.shape[-2]
     qs = attn.scale(q)
     real = None if key_padding_mask is None else ~key_padding_mask.to(device=q.device, dtype=torch.bool)
+    state = attn.flex_batch_state(qs, k, v, real, tile)
     calls = layout.calls if layout is not None else attn.flex_data_calls(q, k, v, real)
-    results = []  # (call, output, lse) in sequence order
+    parts = []  # (group, output, lse) in sequence order
     for index, call in enumerate(calls):
         occupied = None
         keys, values = [], []
@@ -103,7 +107,7 @@ def run_layer(attn, layout: StaticLayout | None, q: torch.Tensor, k: torch.Tenso
             if call.summaries is not None:
                 k_bar, v_bar, occupied = call.summaries(qs, k, v, real)
             else:
-                k_bar, v_bar, occupied = attn.flex_summaries(index, qs, k, v, real)
+                k_bar, v_bar, occupied = attn.flex_summaries(index, qs, k, v, real, state)
             if call.summary_order is not None:
                 k_bar, v_bar = k_bar.index_select(-2, call.summary_order), v_bar.index_select(-2, call.summary_order)
                 occupied = None if occupied is None else occupied.index_select(-1, call.summary_order)
@@ -113,29 +117,36 @@ def run_layer(attn, layout: StaticLayout | None, q: torch.Tensor, k: torch.Tenso
             keys.append(k_bar.to(k.dtype))
             values.append(v_bar.to(v.dtype))
         kv_len = whole_tiles(call.kv_len(L), tile)
-        if layout is not None:
+        also = attn.flex_call_mask(index, state)
+        real_c = None if real is None else in_order_rows(real, call)
+        if layout is None:
+            mask = build_block_mask(call.mask_mod(L, real_c, occupied, also=also), q.shape[0], call.heads, L, kv_len,
+                                    q.device, tile)
+        elif real is None and also is None:
             mask = layout.masks[index]
-            if real is not None:
-                mask = with_mask_mod(layout.partial_masks[index], call.mask_mod(L, in_order_rows(real, call), occupied))
-        else:
-            mask_mod = call.mask_mod(L, None if real is None else in_order_rows(real, call), occupied)
-            mask = build_block_mask(mask_mod, q.shape[0], call.heads, L, kv_len, q.device, tile)
-        out, lse = _flex(in_order(qs, call), _tile_padded(keys, kv_len), _tile_padded(values, kv_len), mask)
-        results.append((call, to_sequence(out, call), to_sequence(lse.unsqueeze(-1), call).squeeze(-1)))
+        else:  # the same tiles under a mask_mod that reads this batch
+            mask = with_mask_mod(layout.partial_masks[index], call.mask_mod(L, real_c, occupied, also=also))
+        out, lse = flex_call(in_order(qs, call), _tile_padded(keys, kv_len), _tile_padded(values, kv_len), mask)
+        parts.append((call.group, to_sequence(out, call), to_sequence(lse.unsqueeze(-1), call).squeeze(-1)))
+    parts += attn.flex_extra_parts(state, qs, k, v, real, tile)
 
     outputs = []
-    for group in sorted({call.group for call in calls}):
-        members = [(call, out, lse) for call, out, lse in results if call.group == group]
-        out, lse = merge_by_lse([o for _, o, _ in members], [lse for _, _, lse in members])
+    for group in sorted({group for group, _, _ in parts}):
+        out, lse = merge_by_lse(*zip(*[(o, lse) for g, o, lse in parts if g == group]))
         if real is not None:  # a query with no real key and no usable region (ops.padding, rule 3)
-            out = torch.where(torch.isneginf(lse).unsqueeze(-1),
-                              _direct_fallback(attn, layout, calls, group, qs, k, v, tile), out)
+            fallback = _direct_fallback(layout, calls, group, qs, k, v, tile)
+            if fallback is not None:
+                out = torch.where(torch.isneginf(lse).unsqueeze(-1), fallback, out)
         outputs.append(out)
+    weights = attn.flex_group_weights(state, q)
+    if weights is not None:  # (B, H, L, groups)
+        return sum(w.unsqueeze(-1).to(out.dtype) * out for w, out in zip(weights.unbind(-1), outputs))
     return outputs[0] if len(outputs) == 1 else sum(outputs) / len(outputs)
 
 
-def _direct_fallback(attn, layout: StaticLayout | None, calls, group: int, qs, k, v, tile: int) -> torch.Tensor:
-    """The group's output over the unpadded direct keys alone (``ops.padding``'s fallback for empty queries)."""
+def _direct_fallback(layout: StaticLayout | None, calls, group: int, qs, k, v, tile: int) -> torch.Tensor | None:
+    """The group's output over its unpadded fallback keys alone (``ops.padding``'s rule for empty queries; None: the
+    group has no direct keys)."""
     L = qs.shape[-2]
     parts = []
     for index, call in enumerate(calls):
@@ -147,10 +158,10 @@ def _direct_fallback(attn, layout: StaticLayout | None, calls, group: int, qs, k
         else:
             mask = build_block_mask(call.mask_mod(L, direct_only=True), qs.shape[0], call.heads, L, kv_len, qs.device,
                                     tile)
-        out, lse = _flex(in_order(qs, call), _tile_padded([in_order(k, call)], kv_len),
+        out, lse = flex_call(in_order(qs, call), _tile_padded([in_order(k, call)], kv_len),
                          _tile_padded([in_order(v, call)], kv_len), mask)
         parts.append((to_sequence(out, call), to_sequence(lse.unsqueeze(-1), call).squeeze(-1)))
-    return merge_by_lse(*zip(*parts))[0]
+    return merge_by_lse(*zip(*parts))[0] if parts else None
 
 
 def _tile_padded(parts: list[torch.Tensor], kv_len: int) -> torch.Tensor:
@@ -161,7 +172,7 @@ def _tile_padded(parts: list[torch.Tensor], kv_len: int) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, -2)
 
 
-def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) -> tuple[torch.Tensor, torch.Tensor]:
+def flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) -> tuple[torch.Tensor, torch.Tensor]:
     """One flex call on scaled q (``scale=1``) -> output ``(B, H, L, Dv)`` and natural-log lse ``(B, H, L)``."""
     if q.is_cuda or torch.compiler.is_compiling():
         out, aux = flex_attention(q, k, v, block_mask=mask, scale=1.0, return_aux=AuxRequest(lse=True))

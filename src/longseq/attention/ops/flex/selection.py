@@ -1,0 +1,97 @@
+"""Key blocks chosen per query, at full resolution, as one FlexAttention call (``moba``, ``nsa``, ``combiner_select``).
+
+A block mask describes tiles of 128 queries: a mask_mod that read each query's own choice would have to visit the
+union of the choices of every query of a tile, close to every tile. So the call runs on gathered queries instead, the
+flex form of the CPU engine's grouped tiles (``ops.block_select.grouped_attention``):
+
+- the (query, chosen block) pairs are sorted by block; each block's pairs fill whole tiles of a query buffer of
+  static length (``buffer_rows``: every pair plus at most a tile's padding per block), so every tile of the buffer
+  attends ONE key block, whose key tiles its row of ``kv_indices`` names (``BlockMask.from_kv_blocks``);
+- the buffer holds the queries (a gather of q), the keys and values are the layer's own (no copy); the mask_mod keeps
+  the block's keys (and, causal, those up to the pair's query; under padding the real ones);
+- each pair's output and log-sum-exp are gathered back and merged over the query's choices (one softmax over the
+  union of its blocks).
+
+Everything is built on the device from the choices (sorts, cumulative sums, scatters): static shapes, no host read.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from longseq.attention.ops.flex import engine
+from longseq.attention.ops.flex.block_masks import whole_tiles
+
+
+def buffer_rows(pairs: int, blocks: int, tile: int) -> int:
+    """Rows of the query buffer: every pair, each block's group of pairs rounded up to whole tiles."""
+    return whole_tiles(pairs + blocks * (tile - 1), tile)
+
+
+def selected_blocks(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chosen: torch.Tensor, ok: torch.Tensor,
+                    block_size: int, tile: int, real: torch.Tensor | None = None,
+                    causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query over the keys of its chosen blocks, one softmax: scaled ``qs`` ``(B, H, L, D)``, k, v
+    ``(B, H, L, .)``, ``chosen`` / ``ok`` ``(B, H, L, K)`` (block ``c`` = keys ``[c m, (c + 1) m)``; ``ok`` False: no
+    block) -> output ``(B, H, L, Dv)`` and lse ``(B, H, L)`` (-inf where no key is left). ``real`` ``(B, L)``: the
+    real keys; ``causal``: keys after the query are left out."""
+    B, H, L, K = chosen.shape
+    m = block_size
+    n = -(-L // m)  # blocks (the last may be short)
+    P = L * K
+    R = buffer_rows(P, n, tile)
+    device = chosen.device
+    block = torch.where(ok, chosen, n).reshape(B, H, P)  # no choice: the sentinel block n, sorted last, dropped
+    order = torch.sort(block, dim=-1, stable=True).indices
+    sorted_block = block.gather(-1, order)
+    counts = torch.zeros(B, H, n + 1, dtype=torch.long, device=device).scatter_add_(-1, block, torch.ones_like(block))
+    rows_of_block = (counts + tile - 1) // tile * tile
+    rows_of_block[..., n] = 0
+    group_start = rows_of_block.cumsum(-1) - rows_of_block  # each block's first row in the buffer
+    first_pair = counts.cumsum(-1) - counts  # each block's first pair in sorted order
+    rank = torch.arange(P, device=device) - first_pair.gather(-1, sorted_block)
+    row = torch.where(sorted_block < n, group_start.gather(-1, sorted_block) + rank, R)  # R: dropped
+    row_of_pair = torch.empty_like(row).scatter_(-1, order, row)  # (B, H, P)
+    pair_query = (torch.arange(P, device=device) // K).expand(B, H, P)
+    row_query = torch.zeros(B, H, R + 1, dtype=torch.long, device=device).scatter_(-1, row_of_pair, pair_query)
+    row_block = torch.full((B, H, R + 1), -1, dtype=torch.long, device=device).scatter_(-1, row_of_pair, block)
+    row_query, row_block = row_query[..., :R], row_block[..., :R]
+
+    # every tile of the buffer holds one block's pairs (its first row is always a pair): the key tiles of that block
+    kv_len = whole_tiles(L, tile)
+    n_kv = kv_len // tile
+    tile_block = row_block[..., ::tile]  # (B, H, R / tile); -1: an unused tile
+    first = (tile_block.clamp(min=0) * m) // tile
+    last = ((tile_block.clamp(min=0) + 1) * m - 1).clamp(max=L - 1) // tile
+    kv_num = torch.where(tile_block >= 0, last - first + 1, 0).to(torch.int32)
+    # the row of key tiles is n_kv wide (torch 2.11 transposes the table over its last dimension): the block's tiles
+    # first, the rest never read
+    kv_indices = (first.unsqueeze(-1) + torch.arange(n_kv, device=device)).clamp(max=n_kv - 1).to(torch.int32)
+
+    def mask_mod(b, h, q, kv):
+        ok_ = (kv // m == row_block[b, h, q]) & (kv < L)
+        if causal:
+            ok_ = ok_ & (kv <= row_query[b, h, q])
+        if real is not None:
+            ok_ = ok_ & real[b, kv.clamp(max=L - 1)]
+        return ok_
+
+    mask = BlockMask.from_kv_blocks(kv_num, kv_indices, BLOCK_SIZE=(tile, tile), mask_mod=mask_mod,
+                                    seq_lengths=(R, kv_len))
+    queries = qs.gather(2, row_query.unsqueeze(-1).expand(B, H, R, qs.shape[-1]))
+    keys, values = (_tile_padded(x, kv_len) for x in (k, v))
+    out, lse = engine.flex_call(queries, keys, values, mask)
+    take = row_of_pair.clamp(max=R - 1)
+    out = out.gather(2, take.unsqueeze(-1).expand(B, H, P, out.shape[-1])).view(B, H, L, K, -1)
+    lse = torch.where(ok, lse.gather(2, take).view(B, H, L, K), float("-inf"))
+    total = torch.logsumexp(lse, -1)
+    safe = torch.where(torch.isneginf(total), 0.0, total)  # no -inf - -inf: its NaN would reach the gradients
+    weights = (lse - safe.unsqueeze(-1)).exp()
+    return (weights.unsqueeze(-1).to(out.dtype) * out).sum(-2), total
+
+
+def _tile_padded(x: torch.Tensor, length: int) -> torch.Tensor:
+    """``x`` ``(B, H, L, .)`` with zero rows up to ``length`` (masked key slots)."""
+    missing = length - x.shape[-2]
+    return x if not missing else torch.cat([x, x.new_zeros(*x.shape[:-2], missing, x.shape[-1])], -2)
