@@ -126,6 +126,11 @@ def is_oom(error: BaseException) -> bool:
 
 
 # -- the measurement ---------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def prime_runtime(device: torch.device, dtype: torch.dtype) -> None:
     """Run a tiny SDPA forward/backward so one-off runtime costs happen before the memory baseline
     rather than inside the cell: on CPU the first backward from a non-scalar output gradient costs about

@@ -609,8 +609,8 @@ def warm_up(cfg: DictConfig, device: str) -> list[dict[str, Any]]:
             try:
                 result = future.result()
             except Exception as error:  # a crashed worker: the stage reruns the unit and reports it
-                result = []
                 print(f"  warm-up {kind} {args}: {_error_text(error)}", flush=True)
+                continue
             if kind == "correctness":
                 rows[args[0]] = result
                 _progress(result, 0, start)
