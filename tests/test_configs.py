@@ -224,7 +224,7 @@ def test_model_compile_mode_passes_to_torch_compile_and_names_the_valid_modes(tm
     module = build_module(compose_config(["model.compile=true", "model.compile_mode=reduce-overhead"], tmp_path))
     monkeypatch.setattr(type(module.net), "compile", lambda self, **kwargs: seen.append(kwargs))
     module.configure_model()
-    assert seen == [{"mode": "reduce-overhead"}]
+    assert seen == [{"dynamic": False, "mode": "reduce-overhead"}]
     with pytest.raises(ConfigError, match=r"model.compile_mode: 'fastest' is not valid; choose one of .*reduce-overhead"):
         build_module(compose_config(["model.compile=true", "model.compile_mode=fastest"], tmp_path))
 

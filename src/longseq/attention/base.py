@@ -252,7 +252,7 @@ class Attention(nn.Module):
         facts = dispatch.Facts(
             device=q.device.type,
             # autocast's dtype where autocast exists for the device (not on meta)
-            dtype=(torch.amp.is_autocast_available(q.device.type) and autocast_dtype(q)) or q.dtype,
+            dtype=autocast_dtype(q) or q.dtype,
             grad=torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
             key_padding=key_padding_mask is not None,
             dropout=self.training and self.dropout > 0,

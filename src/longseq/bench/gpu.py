@@ -325,9 +325,9 @@ def run_fig3(cfg: DictConfig, device: str) -> list[list[dict[str, Any]]]:
             elif key in stopped:
                 result = stopped[key]
             else:
-                if device.startswith("cuda"):
+                if device.startswith("cuda") and int(cfg.workers) <= 1:
                     # one untimed cell first: compilation for this shape happens there, not in the timed cell's first
-                    # iteration (which the budget judges); with warm_up's workers it is a cache hit
+                    # iteration (which the budget judges); warm_up's workers have compiled it already
                     cells.measure_cell(dataclasses.replace(cell, warmup=1, repeats=0, budget_s=math.inf))
                 result = cells.measure_cell(cell)
                 if result.status in ("oom", "over_budget"):
@@ -561,7 +561,15 @@ def warm_up_tasks(cfg: DictConfig) -> list[tuple[str, tuple]]:
 
 def _warm_worker(cfg_yaml: str, device: str, kind: str, args: tuple, threads: int) -> list[dict[str, Any]]:
     """One warm-up task in a worker process: runs the stage's code for one unit with the timed repeats cut to one
-    (compilation fills inductor's caches); returns correctness rows (real results), nothing for the others."""
+    (compilation fills inductor's caches); returns correctness rows (real results), nothing for the others. A failure
+    comes back as a RuntimeError with its text (some exceptions hold modules, which do not pickle)."""
+    try:
+        return _warm_task(cfg_yaml, device, kind, args, threads)
+    except Exception as error:
+        raise RuntimeError(_error_text(error)) from None
+
+
+def _warm_task(cfg_yaml: str, device: str, kind: str, args: tuple, threads: int) -> list[dict[str, Any]]:
     import torch._inductor.config as inductor_config
 
     inductor_config.compile_threads = threads

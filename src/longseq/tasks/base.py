@@ -13,7 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from longseq.models.transformer import Transformer
-from longseq.utils.compiling import COMPILE_MODES, new_step
+from longseq.utils.compiling import COMPILE_MODES, compile_options, new_step
 from longseq.utils.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class SequenceTask(L.LightningModule):
         (``nn.Module.compile``), so parameter names, checkpoints and the decoding methods stay those of the plain
         backbone."""
         if self.compile_backbone and self.net._compiled_call_impl is None:
-            self.net.compile(**({} if self.compile_mode == "default" else {"mode": self.compile_mode}))
+            self.net.compile(**compile_options(self.compile_mode))
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._new_graph_step()

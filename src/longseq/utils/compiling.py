@@ -9,12 +9,19 @@ import torch
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
+def compile_options(mode: str | None) -> dict:
+    """``torch.compile``'s keyword arguments for one of ``COMPILE_MODES``. Static shapes: a run trains at one length,
+    and on an H200 (torch 2.11) a backbone compiled at a second length in one process, shapes made dynamic by dynamo,
+    ran with garbage sizes ("shape '[139939566755458, 9120285929716304060, 1536]' is invalid")."""
+    return {"dynamic": False, **({} if mode in (None, "default") else {"mode": mode})}
+
+
 def compile_module(module: torch.nn.Module, mode: str | None) -> torch.nn.Module:
     """``module`` as is (``mode`` None or ``none``) or through ``torch.compile`` with ``mode`` (one of
     ``COMPILE_MODES``): a new wrapper module, the parameters shared."""
     if mode in (None, "none"):
         return module
-    return torch.compile(module, mode=None if mode == "default" else mode)
+    return torch.compile(module, **compile_options(mode))
 
 
 def new_step(mode: str | None) -> None:

@@ -16,10 +16,21 @@ import functools
 import torch
 
 
+# Device types autocast exists for, asked once: torch 2.11's dynamo cannot trace ``torch.amp.is_autocast_available``
+# (a fullgraph compile of the pooled axial flex layers raised on an H200), a set lookup it can
+AUTOCAST_DEVICES = frozenset(d for d in ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia")
+                             if torch.amp.is_autocast_available(d))
+
+
+def has_autocast(device_type: str) -> bool:
+    """Whether autocast exists for ``device_type`` (not for meta, where shape-only runs measure saved bytes)."""
+    return device_type in AUTOCAST_DEVICES
+
+
 def autocast_dtype(*tensors: torch.Tensor | None) -> torch.dtype | None:
     """The dtype autocast computes in for the device of the first tensor given, or None when autocast is off there."""
     device_type = next(t.device.type for t in tensors if isinstance(t, torch.Tensor))
-    if not torch.amp.is_autocast_available(device_type):  # e.g. meta (shape-only runs measure saved bytes)
+    if not has_autocast(device_type):
         return None
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
@@ -55,7 +66,7 @@ def autocast_function(cls: type[torch.autograd.Function]) -> type[torch.autograd
 
     @functools.wraps(backward)
     def plain_backward(ctx, *grads):
-        if not torch.amp.is_autocast_available(ctx.amp_device_type):  # no autocast there to turn off (meta)
+        if not has_autocast(ctx.amp_device_type):  # no autocast there to turn off (meta)
             return backward(ctx, *grads)
         with torch.autocast(ctx.amp_device_type, enabled=False):
             return backward(ctx, *grads)
