@@ -10,6 +10,7 @@ layer keeps for its backward.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -261,6 +262,42 @@ def test_the_whole_layer_traces_as_one_graph(name, causal, padding):
     torch._dynamo.reset()
     assert explanation.graph_break_count == 0, [str(r.reason).splitlines()[0] for r in explanation.break_reasons]
     assert explanation.graph_count == 1
+
+
+def dense_flex(q, k, v, block_mask):
+    """FlexAttention's math on CPU with autograd (its CPU kernel has none): the mask_mod on the whole (Q, KV) grid,
+    one masked softmax; an empty row gives output 0 and lse -inf, as the kernel does."""
+    B, H, Q, _ = q.shape
+    index = functools.partial(torch.arange, device=q.device)
+    allowed = block_mask.mask_mod(index(B).view(B, 1, 1, 1), index(H).view(1, H, 1, 1), index(Q).view(1, 1, Q, 1),
+                                  index(k.shape[-2]).view(1, 1, 1, -1))
+    scores = (q @ k.transpose(-1, -2)).masked_fill(~allowed, float("-inf"))
+    empty = ~allowed.any(-1)  # empty rows: a finite logsumexp, so no NaN reaches the gradients
+    lse = torch.logsumexp(scores.masked_fill(empty.unsqueeze(-1), 0.0), -1)
+    return (scores - lse.masked_fill(empty, 0.0).unsqueeze(-1)).exp() @ v, lse.masked_fill(empty, float("-inf"))
+
+
+@pytest.mark.parametrize("name,causal,padding", PADDED_CASES)
+def test_the_layer_backward_equals_the_reference(name, causal, padding, monkeypatch):
+    """Gradients into q, k and v through everything the layer does around its flex calls (summaries, orders, merges,
+    gathered selections, the padding fallback), each flex call computed densely with autograd, against the gradients
+    of ``attention_matrix @ v`` (fp64), with the kernels a GPU runs (one-scan running max, static k-means rounds).
+    On a GPU the calls are FlexAttention's own backward (make gpu-check)."""
+    from longseq.attention.ops import clustering, running_max
+
+    monkeypatch.setattr(engine, "flex_call", dense_flex)
+    monkeypatch.setattr(running_max, "blocked_scan_applies", lambda x: False)
+    monkeypatch.setattr(clustering, "host_loop_applies", lambda scores: False)
+    attn = build(name, causal, seq_len=L, block_size=BLOCK, backend="flex").double().eval()
+    pad = pads()[padding]
+    kwargs = {} if pad is None else {"key_padding_mask": pad}
+    q, k, v = random_qkv(L=L, seed=14, requires_grad=True)
+    upstream = torch.randn(q.shape, generator=torch.Generator().manual_seed(15), dtype=q.dtype)
+    grads = torch.autograd.grad((flex_forward(attn, q, k, v, pad) * upstream).sum(), (q, k, v))
+    q2, k2, v2 = (x.detach().requires_grad_() for x in (q, k, v))
+    reference = torch.autograd.grad(((attn.attention_matrix(q2, k2, v2, **kwargs) @ v2) * upstream).sum(), (q2, k2, v2))
+    for got, want in zip(grads, reference):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
 
 
 @pytest.mark.parametrize("name,causal,padding", PADDED_CASES)

@@ -537,8 +537,10 @@ class PooledAxialAttention(BlockGrid, PooledCombiner, Attention):
     def flex_summaries(self, index: int, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        real: torch.Tensor | None, state=None):
         """Call 0's vertical summaries (row-major slots) or the column call's horizontal ones (column-major slots).
-        Unpadded they are the fused path's: running pools and one causal SDPA per region kind (``running_summaries``,
-        nothing of size n x n or m x m is kept for the backward); padded, the explicit padded pools."""
+        Unpadded, the prefix regions are the fused path's: running pools and one causal SDPA per region kind
+        (``running_summaries``, nothing of size n x n or m x m is kept for the backward); whole rows without the
+        query's column (``combiner_axial_horizontal``'s default) the explicit ``excluding_own_summaries``; padded, the
+        explicit padded pools."""
         grid = self.grid(qs.shape[-2])
         (qr, kr, vr), real_r = grid_views(grid, qs, k, v, real)
         if index == 0 and self.use_vertical:  # column c' above (below) row r, stored at (r, c')
@@ -558,8 +560,9 @@ class PooledAxialAttention(BlockGrid, PooledCombiner, Attention):
                     parts = [(*self.running_summaries(qr, kr, vr, reverse), None) for reverse in (False, True)]
                 else:
                     parts = [self.padded_prefix_summaries(qr, kr, vr, real_r, reverse) for reverse in (False, True)]
-            elif real_r is None:
-                parts = [(*self.excluding_own_summaries_fused(qr, kr, vr), None)]
+            elif real_r is None:  # the explicit form: its fused form (pools + SDPA with the own column masked) gave
+                # wrong gradients compiled on an H200 (torch 2.11; 0.3 relative; right on CPU, cause not isolated)
+                parts = [(*self.excluding_own_summaries(qr, kr, vr), None)]
             else:
                 parts = [self.padded_excluding_own_summaries(qr, kr, vr, real_r)]
             parts = [(column_major(k_bar), column_major(v_bar),
@@ -580,14 +583,6 @@ class PooledAxialAttention(BlockGrid, PooledCombiner, Attention):
         q_pool, k_pool = self.pools(qs, k, -2)
         inclusive = _sdpa_grid(q_pool, k, v, is_causal=True)
         return shift_forward(k_pool), shift_forward(inclusive)
-
-    def excluding_own_summaries_fused(self, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """``excluding_own_summaries`` as the fused path computes it: the pools of every other position
-        (``pools_excluding_own``) and one SDPA with the own position masked."""
-        T = qs.shape[-2]
-        q_pool, k_pool = self.pools_excluding_own(qs, k, -2)
-        others = ~torch.eye(T, dtype=torch.bool, device=qs.device)
-        return k_pool, _sdpa_grid(q_pool, k, v, attn_mask=others)
 
     # -- explicit partition and dense reference ---------------------------------------------------
     def partition(self, L: int, device=None) -> Partition:

@@ -127,8 +127,9 @@ class RegionSummary(nn.Module):
         q_bar = self.masked_reduce(self.query_features(q), member)
         k_bar = self.masked_reduce(self.key_features(k), member)
         logits = (k @ q_bar.unsqueeze(-1)).squeeze(-1)
-        if member is not None:
-            logits = logits.masked_fill(~member, NEG_INF)
+        if member is not None:  # an empty region keeps a finite row (callers mask its summary): a row of -inf would
+            # make NaN weights, and NaN reaches v's gradient through the masked summary (0 * NaN)
+            logits = logits.masked_fill(~(member | ~member.any(-1, keepdim=True)), NEG_INF)
         return k_bar, (logits.softmax(-1).unsqueeze(-2) @ v).squeeze(-2)
 
     def _prefix(self, x: torch.Tensor, dim: int, phi: nn.Module | None) -> torch.Tensor:

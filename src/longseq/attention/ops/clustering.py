@@ -45,6 +45,7 @@ slots per centroid), so decode with ``max_len`` = the length the model runs at (
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -53,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longseq.attention.base import Attention, AttentionConfigError, divisors
-from longseq.attention.ops.amp import autocast_function
+from longseq.attention.ops.amp import autocast_function, has_autocast
 from longseq.attention.ops.cpu.memory import FRESH_MAP_BYTES, heads_per_group
 from longseq.attention.ops.decoding import DecodingState
 from longseq.attention.ops.geometry import check_block_size, cluster_order
@@ -224,10 +225,14 @@ class OnlineKMeans(nn.Module):
 
     def scores(self, x: torch.Tensor, heads: slice = slice(None)) -> torch.Tensor:
         """Cosine similarity of routing vectors ``x`` ``(B, H, L, D)`` with the centroids -> ``(B, H, L, K)``;
-        ``heads``: the centroids' heads that ``x`` holds (a head group of the input)."""
+        ``heads``: the centroids' heads that ``x`` holds (a head group of the input). In fp32 at least, autocast off:
+        bf16 scores rounded differently by a compiled and an eager run chose other clusters on an H200 (the
+        compiled flex path and its own bf16 ``attention_matrix`` then disagreed by 9 %)."""
         self._ensure(x, heads)
-        x = F.normalize(x.detach(), dim=-1)
-        return torch.einsum("bhld,hkd->bhlk", x, self.centroids[heads].to(x.dtype))
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False) if has_autocast(x.device.type) else contextlib.nullcontext():
+            x = F.normalize(x.detach().to(dtype), dim=-1)
+            return torch.einsum("bhld,hkd->bhlk", x, self.centroids[heads].to(dtype))
 
     def nearest(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, H, L)`` id of the most similar centroid; depends only on each position's own vector."""
