@@ -99,6 +99,7 @@ def test_a_data_chosen_pattern_is_judged_by_its_own_matrix_in_low_precision(name
     """``pattern_from_data`` variants in bf16: the forward passes against the same dtype's attention_matrix (its
     own choices), and a wrong output still fails."""
     import torch
+
     from longseq.attention import build_attention
 
     geometry = {"n_clusters": 4} if name == "routing" else {"block_size": 8}

@@ -619,8 +619,8 @@ def warm_up(cfg: DictConfig, device: str) -> list[dict[str, Any]]:
             except Exception as error:  # a crashed worker: the stage reruns the unit and reports it
                 print(f"  warm-up {kind} {args}: {_error_text(error)}", flush=True)
                 continue
-            if kind == "correctness":
-                rows[args[0]] = result
+            if kind == "correctness":  # select_attentions adds full to every list: keep the task's own rows
+                rows[args[0]] = [row for row in result if row["attention"] == args[0]]
                 _progress(result, 0, start)
             else:
                 print(f"  warm-up {kind} {args}: compiled ({time.perf_counter() - start:.0f} s)", flush=True)

@@ -46,7 +46,14 @@ from longseq.attention.base import Attention, AttentionConfigError
 from longseq.attention.ops.cpu.grid_flash import causal_row_column_flash
 from longseq.attention.ops.decoding import PartitionDecoder
 from longseq.attention.ops.dispatch import CpuFlash
-from longseq.attention.ops.flex.calls import FlexCall, column_major, column_order, grid_views, own_column, same_block
+from longseq.attention.ops.flex.calls import (
+    FlexCall,
+    column_major,
+    column_order,
+    grid_views,
+    own_column,
+    same_block,
+)
 from longseq.attention.ops.geometry import BlockGrid, Grid
 from longseq.attention.ops.joint_softmax import LogitGroup, joint_groups_attention
 from longseq.attention.ops.masks import NEG_INF

@@ -15,7 +15,6 @@ import functools
 
 import torch
 
-
 # Device types autocast exists for, asked once: torch 2.11's dynamo cannot trace ``torch.amp.is_autocast_available``
 # (a fullgraph compile of the pooled axial flex layers raised on an H200), a set lookup it can
 AUTOCAST_DEVICES = frozenset(d for d in ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia")

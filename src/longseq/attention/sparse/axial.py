@@ -6,12 +6,12 @@ import torch
 
 from longseq.attention.ops.cpu.grid_flash import causal_row_column_flash
 from longseq.attention.ops.dispatch import CpuFlash
+from longseq.attention.ops.flex.calls import FlexCall, column_order, own_column, same_block
 from longseq.attention.ops.geometry import BlockGrid
 from longseq.attention.ops.masks import NEG_INF, causal_mask, full_mask, other_blocks_mask
 from longseq.attention.registry import register_attention
 from longseq.attention.sparse.base import SparseAttention
 from longseq.attention.sparse.kernels import column_part, matmul, softmax_over_parts
-from longseq.attention.ops.flex.calls import FlexCall, column_order, own_column, same_block
 
 
 @register_attention("axial")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from longseq.attention.base import AttentionConfigError, check_int_knob
+from longseq.attention.ops.flex.calls import FlexCall
 from longseq.attention.ops.geometry import BlockGrid
 from longseq.attention.registry import register_attention
 from longseq.attention.sparse.base import SparseAttention
-from longseq.attention.ops.flex.calls import FlexCall
 
 
 @register_attention("bigbird")

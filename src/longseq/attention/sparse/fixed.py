@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from longseq.attention.base import AttentionConfigError, check_int_knob
+from longseq.attention.ops.flex.calls import FlexCall, column_order, same_block
 from longseq.attention.ops.geometry import BlockGrid, Grid
 from longseq.attention.ops.masks import causal_mask, full_mask, other_blocks_mask
 from longseq.attention.registry import register_attention
 from longseq.attention.sparse.base import SparseAttention
-from longseq.attention.ops.flex.calls import FlexCall, column_order, same_block
 
 
 @register_attention("fixed")

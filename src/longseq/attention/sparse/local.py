@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from longseq.attention.base import AttentionConfigError, check_int_knob
+from longseq.attention.ops.flex.calls import FlexCall
 from longseq.attention.registry import register_attention
 from longseq.attention.sparse.base import SparseAttention
-from longseq.attention.ops.flex.calls import FlexCall
 
 
 def neighbour_blocks(x: torch.Tensor, back: int, ahead: int) -> torch.Tensor:

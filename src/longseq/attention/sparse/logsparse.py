@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from longseq.attention.ops.flex.calls import FlexCall
 from longseq.attention.ops.geometry import logsparse_keys, num_log_levels
 from longseq.attention.ops.log_levels import LevelMix, LevelScores
 from longseq.attention.ops.masks import mask_from_index_table
 from longseq.attention.registry import register_attention
 from longseq.attention.sparse.base import SparseAttention
 from longseq.attention.sparse.kernels import dedupe_index_table
-from longseq.attention.ops.flex.calls import FlexCall
 
 
 @register_attention("logsparse")

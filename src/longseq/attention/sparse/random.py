@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from longseq.attention.base import check_int_knob
+from longseq.attention.ops.flex.calls import FlexCall
 from longseq.attention.ops.masks import mask_from_index_table
 from longseq.attention.registry import register_attention
 from longseq.attention.sparse.base import SparseAttention
 from longseq.attention.sparse.kernels import dedupe_index_table
-from longseq.attention.ops.flex.calls import FlexCall
 
 
 def attend_index_table(attn: SparseAttention, q, k, v, idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -6,13 +6,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from longseq.attention.ops.flex.calls import FlexCall, column_order, own_column
 from longseq.attention.ops.geometry import BlockGrid
 from longseq.attention.ops.joint_softmax import LogitGroup, joint_groups_attention
 from longseq.attention.ops.masks import NEG_INF, other_blocks_mask
 from longseq.attention.registry import register_attention
 from longseq.attention.sparse.base import SparseAttention
 from longseq.attention.sparse.kernels import column_part, matmul, softmax_over_parts
-from longseq.attention.ops.flex.calls import FlexCall, column_order, own_column
 
 
 def shift_rows(x: torch.Tensor, shift: int) -> torch.Tensor:
