@@ -333,6 +333,6 @@ def flex_tiles(registry_name: str, length: int, kwargs: dict[str, Any], tile: in
             return math.nan, reason
         attention = build_attention(registry_name, **kwargs)
         value = flex_tiles_visited(attention, length, tile=tile)
-        return value, "" if not math.isnan(value) else "its block masks depend on the batch (k-means clusters)"
+        return value, "" if not math.isnan(value) else "its block masks depend on the batch (clusters, chosen blocks)"
     except Exception as error:  # one variant's failure is a note, not a stopped sweep
         return math.nan, f"{type(error).__name__}: {error}".splitlines()[0]

@@ -15,8 +15,9 @@ from longseq.attention.ops.partition import Partition
 def flex_tiles_visited(attn, L: int, device="cpu", tile: int = TILE) -> float:
     """Tiles (``tile`` x ``tile``) the flex calls visit at length L, counted from their ``BlockMask``s (partial +
     full blocks, averaged over the heads the mask distinguishes), divided by causal full attention's at the same
-    L and tile. Hardware independent; no attention runs. NaN for layouts that depend on the data (``routing``)."""
-    if attn.flex_from_data:
+    L and tile. Hardware independent; no attention runs. NaN for layouts whose tiles depend on the data (``routing``'s
+    clusters; the blocks ``moba``, ``nsa`` and ``combiner_select`` choose per query)."""
+    if attn.flex_from_data or attn.pattern_from_data:
         return math.nan
     layout = static_layout(attn, L, torch.device(device), tile)
     total = sum(tiles_of(mask) / call.heads for call, mask in zip(layout.calls, layout.masks))
