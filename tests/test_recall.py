@@ -317,8 +317,8 @@ def test_in_example_answers_count_the_candidates_and_their_precision(tmp_path):
     asked = labels != IGNORE_INDEX
     rows, targets = asked.nonzero()[:, 0], labels[asked]
     choice = torch.arange(len(targets)) % 4
-    other_value = torch.stack([next(v for v in inputs[r, 1:8:2].tolist() if v != t) for r, t in zip(rows, targets)])
-    absent = torch.stack([next(v for v in range(32, 64) if v not in inputs[r].tolist()) for r in rows])
+    other_value = torch.tensor([next(v for v in inputs[r, 1:8:2].tolist() if v != t) for r, t in zip(rows, targets)])
+    absent = torch.tensor([next(v for v in range(32, 64) if v not in inputs[r].tolist()) for r in rows])
     key = inputs[rows, 0]
     predicted = torch.where(choice == 0, targets, torch.where(choice == 1, other_value,
                                                               torch.where(choice == 2, absent, key)))

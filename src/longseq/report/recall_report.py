@@ -98,12 +98,22 @@ class StudyRuns:
                       key=lambda t: tuple(float(v) if _is_number(v) else v for v in t))
 
     def part(self, setting: tuple, arm: str | None = None) -> pd.DataFrame:
-        mask = pd.Series(True, index=self.frame.index)
-        for key, value in zip(self.settings, setting):
-            mask &= self.frame[key] == value
+        """The runs of one setting (and arm)."""
+        mask = setting_mask(self.frame, self.settings, setting)
         if arm is not None:
             mask &= self.frame["arm"] == arm
         return self.frame[mask]
+
+    def floor(self, setting: tuple) -> float:
+        return float(self.part(setting)["floor"].iloc[0])
+
+
+def setting_mask(table: pd.DataFrame, keys: list[str], setting: tuple) -> pd.Series:
+    """Rows of ``table`` whose ``keys`` hold the values of ``setting``."""
+    mask = pd.Series(True, index=table.index)
+    for key, value in zip(keys, setting):
+        mask &= table[key] == value
+    return mask
 
 
 def _is_number(value: Any) -> bool:
@@ -177,7 +187,7 @@ def judge_controls(study: StudyRuns, setting: tuple, controls: dict, breakdown: 
             window = int(config.attention.window)
             reach = 2 * (window + int(config.model.short_conv or 0))
             inside, beyond = reach_accuracy(runs, window, reach)
-            floor = float(part["floor"].iloc[0])
+            floor = study.floor(setting)
             ok_in = not math.isnan(inside) and inside >= controls["inside"]
             ok_out = not math.isnan(beyond) and beyond <= floor + controls["margin"]
             trained &= ok_in and ok_out
@@ -203,59 +213,65 @@ def summary(study: StudyRuns, metric: str = "test/acc") -> pd.DataFrame:
     return table
 
 
-def main_table(study: StudyRuns, controls: dict, breakdown: str, arm_order: list[str]) -> str:
-    """Markdown: a row per arm, a column per setting (test accuracy, mean ± 95 % t half-width (seeds)), then the
-    floor row and the controls row; a setting whose controls fail holds "not trained"."""
-    table = summary(study)
+def arm_grid(study: StudyRuns, arm_order: list[str], cell_of, footer: list[list[str]]) -> str:
+    """Markdown: a row per arm (``arm_order`` first), a column per setting, ``cell_of(arm, setting) -> str``; then the
+    ``footer`` rows (a label and one cell per setting)."""
     settings = study.groups()
-    verdicts = {s: judge_controls(study, s, controls, breakdown) for s in settings}
-    arms = [a for a in arm_order if a in set(table["arm"])] + sorted(set(table["arm"]) - set(arm_order))
-    rows = []
-    for arm in arms:
-        cells = []
-        for setting in settings:
-            match = table[(table["arm"] == arm) & _setting_mask(table, study.settings, setting)]
-            if match.empty:
-                cells.append("")
-            elif not verdicts[setting].trained:
-                cells.append(NOT_TRAINED)
-            else:
-                r = match.iloc[0]
-                cells.append(cell(r["mean"], r["half"], int(r["n"])))
-        rows.append([arm, *cells])
-    floors = [f"{study.part(s)['floor'].iloc[0]:.3f}" for s in settings]
-    rows.append(["guessing floor", *floors])
-    rows.append(["controls", *(("pass: " if verdicts[s].trained else "FAIL: ") + "; ".join(verdicts[s].lines)
-                               for s in settings)])
+    present = set(study.frame["arm"])
+    arms = [a for a in arm_order if a in present] + sorted(present - set(arm_order))
+    rows = [[arm, *(cell_of(arm, setting) for setting in settings)] for arm in arms] + footer
     return markdown_table(pd.DataFrame(rows, columns=["arm", *(study.setting_label(s) for s in settings)]))
 
 
-def _setting_mask(table: pd.DataFrame, keys: list[str], setting: tuple) -> pd.Series:
-    mask = pd.Series(True, index=table.index)
-    for key, value in zip(keys, setting):
-        mask &= table[key] == value
-    return mask
+def lookup(table: pd.DataFrame, keys: list[str], arm: str, setting: tuple) -> pd.Series | None:
+    """The row of ``table`` (a ``summary``) for one arm and setting, or None."""
+    match = table[(table["arm"] == arm) & setting_mask(table, keys, setting)]
+    return None if match.empty else match.iloc[0]
+
+
+def main_table(study: StudyRuns, controls: dict, breakdown: str, arm_order: list[str]) -> str:
+    """Test accuracy, mean ± 95 % t half-width (seeds), a row per arm and a column per setting, then the floor row
+    and the controls row; a setting whose controls fail holds "not trained"."""
+    table = summary(study)
+    settings = study.groups()
+    verdicts = {s: judge_controls(study, s, controls, breakdown) for s in settings}
+
+    def cell_of(arm: str, setting: tuple) -> str:
+        row = lookup(table, study.settings, arm, setting)
+        if row is None:
+            return ""
+        return cell(row["mean"], row["half"], int(row["n"])) if verdicts[setting].trained else NOT_TRAINED
+
+    footer = [["guessing floor", *(f"{study.floor(s):.3f}" for s in settings)],
+              ["controls", *(("pass: " if verdicts[s].trained else "FAIL: ") + "; ".join(verdicts[s].lines)
+                             for s in settings)]]
+    return arm_grid(study, arm_order, cell_of, footer)
 
 
 def answers_table(study: StudyRuns, arm_order: list[str]) -> str:
-    """Markdown: per arm and setting, the share of answers that are one of the example's candidates and their
-    precision (``in_example`` / ``in_example_acc``, means over seeds), beside the floor."""
+    """Per arm and setting, the share of answers that are one of the example's candidates and their precision
+    (``in_example`` / ``in_example_acc``, means over seeds), beside the floor."""
     if "test/in_example" not in study.frame:
         return "(no run recorded test/in_example)"
     share, precision = summary(study, "test/in_example"), summary(study, "test/in_example_acc")
-    settings = study.groups()
-    arms = [a for a in arm_order if a in set(share["arm"])] + sorted(set(share["arm"]) - set(arm_order))
-    rows = []
-    for arm in arms:
-        cells = []
-        for setting in settings:
-            s = share[(share["arm"] == arm) & _setting_mask(share, study.settings, setting)]
-            p = precision[(precision["arm"] == arm) & _setting_mask(precision, study.settings, setting)]
-            cells.append("" if s.empty else f"{s.iloc[0]['mean']:.2f} / {p.iloc[0]['mean']:.3f}")
-        rows.append([arm, *cells])
-    rows.append(["guessing floor (precision)", *(f"{study.part(s)['floor'].iloc[0]:.3f}" for s in settings)])
-    columns = ["arm", *(study.setting_label(s) for s in settings)]
-    return markdown_table(pd.DataFrame(rows, columns=columns))
+
+    def cell_of(arm: str, setting: tuple) -> str:
+        s, p = (lookup(t, study.settings, arm, setting) for t in (share, precision))
+        return "" if s is None else f"{s['mean']:.2f} / {p['mean']:.3f}"
+
+    footer = [["guessing floor (precision)", *(f"{study.floor(s):.3f}" for s in study.groups())]]
+    return arm_grid(study, arm_order, cell_of, footer)
+
+
+def steps_table(study: StudyRuns, arm_order: list[str]) -> str:
+    """Per arm and setting, the steps trained (mean over seeds): where early stopping, or the cap, ended the runs."""
+    steps = summary(study, "steps")
+
+    def cell_of(arm: str, setting: tuple) -> str:
+        row = lookup(steps, study.settings, arm, setting)
+        return "" if row is None else f"{row['mean']:.0f}"
+
+    return arm_grid(study, arm_order, cell_of, [])
 
 
 def breakdown_frame(study: StudyRuns, kind: str) -> pd.DataFrame:
@@ -310,6 +326,10 @@ def _styles(arms: list[str]) -> dict[str, dict]:
     return {arm: styles[arm, "test"] for arm in arms}
 
 
+def floor_line(ax, floor: float) -> None:
+    ax.axhline(floor, color="black", linestyle="--", linewidth=1, label="guessing floor")
+
+
 def _finish(fig, axes, used: int, path: Path, ylabel: str) -> Path:
     for ax in axes[used:]:
         ax.set_visible(False)
@@ -333,10 +353,10 @@ def draw_accuracy(study: StudyRuns, path: Path) -> Path | None:
         return None
     fig, axes = _panels(study, len(settings))
     for ax, setting in zip(axes, settings):
-        part = table[_setting_mask(table, study.settings, setting)].sort_values("mean", ascending=False)
+        part = table[setting_mask(table, study.settings, setting)].sort_values("mean", ascending=False)
         ax.bar(range(len(part)), part["mean"], yerr=part["half"].fillna(0), color="tab:blue", capsize=2)
         ax.set_xticks(range(len(part)), part["arm"], rotation=70, fontsize=7)
-        ax.axhline(float(part["floor"].iloc[0]), color="black", linestyle="--", linewidth=1, label="guessing floor")
+        floor_line(ax, study.floor(setting))
         ax.set_title(study.setting_label(setting), fontsize=8)
         ax.set_ylim(0, 1.02)
     return _finish(fig, axes, len(settings), path, "test accuracy")
@@ -351,7 +371,7 @@ def draw_breakdown(study: StudyRuns, frame: pd.DataFrame, kind: str, path: Path)
     styles = _styles(sorted(frame["arm"].unique()))
     fig, axes = _panels(study, len(settings))
     for ax, setting in zip(axes, settings):
-        part = frame[_setting_mask(frame, study.settings, setting)]
+        part = frame[setting_mask(frame, study.settings, setting)]
         if part.empty:
             continue
         order = sorted(part["bucket"].unique(), key=lambda b: distance_range(b)[0] if kind == "distance" else float(b))
@@ -359,7 +379,7 @@ def draw_breakdown(study: StudyRuns, frame: pd.DataFrame, kind: str, path: Path)
         for arm, rows in part.groupby("arm", sort=True):
             rows = rows.assign(x=rows["bucket"].map(x)).sort_values("x")
             ax.plot(rows["x"], rows["acc"], label=arm, **styles[arm])
-        ax.axhline(float(part["floor"].iloc[0]), color="black", linestyle="--", linewidth=1, label="guessing floor")
+        floor_line(ax, study.floor(setting))
         ax.set_xticks(range(len(order)), order, rotation=45, fontsize=7)
         ax.set_xlabel("question-to-key distance (tokens)" if kind == "distance" else "needle depth")
         ax.set_title(study.setting_label(setting), fontsize=8)
@@ -375,13 +395,12 @@ def draw_curves(study: StudyRuns, curves: pd.DataFrame, path: Path) -> Path | No
     styles = _styles(sorted(curves["arm"].unique()))
     fig, axes = _panels(study, len(settings))
     for ax, setting in zip(axes, settings):
-        part = curves[_setting_mask(curves, study.settings, setting)]
+        part = curves[setting_mask(curves, study.settings, setting)]
         for (arm, seed), rows in part.groupby(["arm", "seed"], sort=True):
             style = {k: v for k, v in styles[arm].items() if k != "marker"}
             ax.plot(rows["step"], rows["val/acc"], label=arm if seed == part["seed"].min() else None, alpha=0.8,
                     **style)
-        if len(part):
-            ax.axhline(float(part["floor"].iloc[0]), color="black", linestyle="--", linewidth=1, label="guessing floor")
+        floor_line(ax, study.floor(setting))
         ax.set_xlabel("optimizer step")
         ax.set_title(study.setting_label(setting), fontsize=8)
         ax.set_ylim(0, 1.02)

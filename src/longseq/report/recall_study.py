@@ -131,14 +131,19 @@ def priority(job: Job, arms: list[str], controls: list[str]) -> tuple:
     return (int(values.get("seed", 0)), setting, (0, controls.index(arm)) if arm in controls else (1, arms.index(arm)))
 
 
-def stage_jobs(stage: str, root: Path, controls: list[str] = ()) -> list[Job]:
-    """The jobs of one stage: the product of its sweep parameters, in priority order."""
+def stage_jobs(stage: str, root: Path, controls: list[str] = (), one_seed: list[str] = ()) -> list[Job]:
+    """The jobs of one stage: the product of its sweep parameters, in priority order; the arms of ``one_seed`` at
+    the stage's first seed only."""
     params = sweep_params(stage)
     keys = list(params)
+    first_seed = params.get("seed", [None])[0]
     jobs = []
     for values in itertools.product(*(params[k] for k in keys)):
         pairs = list(zip(keys, values))
-        jobs.append(Job(stage, [f"{k}={v}" for k, v in pairs], root / stage.split("/")[-1] / job_name(pairs)))
+        job = Job(stage, [f"{k}={v}" for k, v in pairs], root / stage.split("/")[-1] / job_name(pairs))
+        if job.arm in one_seed and job.values.get("seed", first_seed) != first_seed:
+            continue
+        jobs.append(job)
     arms = params.get(ARM_GROUP, [])
     return sorted(jobs, key=lambda j: priority(j, arms, list(controls))) if arms else jobs
 
@@ -325,7 +330,10 @@ def write_report(task: str, root: Path, stages: dict[str, list[Job]], plan: dict
                 rr.main_table(study, plan["controls"], kind, arms),
                 "\n## Where the answers come from\n",
                 "Share of answers that are one of the example's candidates / accuracy among those (means over seeds).\n",
-                rr.answers_table(study, arms)]
+                rr.answers_table(study, arms),
+                "\n## Steps trained\n",
+                "Mean over seeds: where early stopping (or the cap, conf/recall/study.yaml) ended the runs.\n",
+                rr.steps_table(study, arms)]
     if search in stages:
         sections += ["\n## Learning-rate search\n", lr_search_table(stages[search], plan)]
     not_done = [job for job in main if job.status() != COMPLETED]
@@ -420,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     root = (args.root or PROJECT_ROOT / "logs" / f"recall_{args.task}" / "study").resolve()
     root.mkdir(parents=True, exist_ok=True)
     controls = [*plan["controls"]["positive"], plan["controls"]["short"]]
-    stages = {stage: stage_jobs(stage, root, controls) for stage in spec["stages"]}
+    stages = {stage: stage_jobs(stage, root, controls, plan.get("one_seed", [])) for stage in spec["stages"]}
     if args.only:
         stages = {s: [j for j in jobs if selected(j, args.only)] for s, jobs in stages.items()}
     budget = Budget(root, args.budget_hours if args.budget_hours is not None else spec["budget_hours"])
