@@ -29,12 +29,14 @@ def arms() -> list[str]:
 
 def test_every_arm_composes_and_builds_at_both_lengths(tmp_path):
     """Each arm of conf/recall/arm builds the study's model at L = 256 (recall/mqar) and 1,024 (recall/mqar_long):
-    its attention, the controls' windows, the hybrid's layers; every arm is in the MQAR and needle sweeps."""
+    its attention, the controls' windows, the hybrid's layers; every arm is in both MQAR grids."""
     expected = {"full", "local_long", "local_short", "fixed", "axial", "combiner_fixed", "combiner_axial",
                 "combiner_mixture", "combiner_select", "moba", "nsa", "linear", "combiner_fixed_full"}
     assert set(arms()) == expected
-    for stage in ("recall/mqar", "recall/mqar_long", "recall/needle"):
+    for stage in ("recall/mqar", "recall/mqar_long"):
         assert set(study.sweep_params(stage)["recall/arm"]) == expected
+    for stage in ("recall/mqar_uniform", "recall/needle", "recall/mqar_lr"):
+        assert set(study.sweep_params(stage)["recall/arm"]) < expected
     for experiment, length in (("recall/mqar", 256), ("recall/mqar_long", 1024)):
         for arm in arms():
             cfg = compose_config([f"experiment={experiment}", f"recall/arm={arm}"], tmp_path, fast=False)
@@ -266,6 +268,8 @@ def test_breakdown_pools_questions_over_seeds_and_curves_keep_every_run(tmp_path
     curves = rr.curves_frame(runs)
     assert len(curves) == 6 and sorted(curves["seed"].unique()) == [1, 2] and curves["step"].max() == 299
     assert list(runs.frame["steps"]) == [300, 300]
+    assert rr.bucket_order(["1", "repeat", "0.25", "0"], "depth") == ["0", "0.25", "1", "repeat"]
+    assert rr.bucket_order(["16-31", "2-3", "4-7"], "distance") == ["2-3", "4-7", "16-31"]
 
 
 def test_figures_have_a_panel_per_setting_and_the_floor(tmp_path):
@@ -297,3 +301,19 @@ def test_the_driver_runs_a_tiny_study_end_to_end_and_resumes(tmp_path):
     seconds = (tmp_path / "mqar" / study.JOB_SECONDS).read_text().splitlines()
     assert study.main(args) == 0  # resumed: nothing left to run
     assert (tmp_path / "mqar" / study.JOB_SECONDS).read_text().splitlines() == seconds
+
+
+def test_sigterm_to_the_driver_stops_its_running_jobs():
+    """A job left running after its driver was stopped would write into a directory the next driver removes."""
+    import subprocess
+    import sys
+
+    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    study.LIVE_JOBS.add(job)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            study.stop_jobs(15, None)
+        assert stop.value.code == 143 and job.wait(timeout=10) != 0
+    finally:
+        study.LIVE_JOBS.discard(job)
+        job.kill()

@@ -344,22 +344,41 @@ def _finish(fig, axes, used: int, path: Path, ylabel: str) -> Path:
     return path
 
 
-def draw_accuracy(study: StudyRuns, path: Path) -> Path | None:
-    """Test accuracy per arm (bars with 95 % t intervals), one panel per setting, the floor dashed; a setting whose
-    controls failed is titled "not trained"."""
-    table = summary(study)
+def draw_panels(study: StudyRuns, path: Path, ylabel: str, draw) -> Path | None:
+    """One panel per setting, ``draw(ax, setting)`` filling it; each panel gets the setting's floor (dashed), its
+    title and a 0-1 accuracy axis."""
     settings = study.groups()
     if not settings:
         return None
     fig, axes = _panels(study, len(settings))
     for ax, setting in zip(axes, settings):
-        part = table[setting_mask(table, study.settings, setting)].sort_values("mean", ascending=False)
-        ax.bar(range(len(part)), part["mean"], yerr=part["half"].fillna(0), color="tab:blue", capsize=2)
-        ax.set_xticks(range(len(part)), part["arm"], rotation=70, fontsize=7)
+        draw(ax, setting)
         floor_line(ax, study.floor(setting))
         ax.set_title(study.setting_label(setting), fontsize=8)
         ax.set_ylim(0, 1.02)
-    return _finish(fig, axes, len(settings), path, "test accuracy")
+    return _finish(fig, axes, len(settings), path, ylabel)
+
+
+def bucket_order(buckets, kind: str) -> list[str]:
+    """Distances by their lower end, depths by value, the needle's ``repeat`` last."""
+    def key(bucket: str) -> tuple:
+        if kind == "distance":
+            return (0, distance_range(bucket)[0])
+        return (0, float(bucket)) if _is_number(bucket) else (1, 0.0)
+
+    return sorted(set(buckets), key=key)
+
+
+def draw_accuracy(study: StudyRuns, path: Path) -> Path | None:
+    """Test accuracy per arm (bars with 95 % t intervals), one panel per setting, the floor dashed."""
+    table = summary(study)
+
+    def draw(ax, setting: tuple) -> None:
+        part = table[setting_mask(table, study.settings, setting)].sort_values("mean", ascending=False)
+        ax.bar(range(len(part)), part["mean"], yerr=part["half"].fillna(0), color="tab:blue", capsize=2)
+        ax.set_xticks(range(len(part)), part["arm"], rotation=70, fontsize=7)
+
+    return draw_panels(study, path, "test accuracy", draw)
 
 
 def draw_breakdown(study: StudyRuns, frame: pd.DataFrame, kind: str, path: Path) -> Path | None:
@@ -367,41 +386,33 @@ def draw_breakdown(study: StudyRuns, frame: pd.DataFrame, kind: str, path: Path)
     arm, the floor dashed."""
     if frame.empty:
         return None
-    settings = study.groups()
     styles = _styles(sorted(frame["arm"].unique()))
-    fig, axes = _panels(study, len(settings))
-    for ax, setting in zip(axes, settings):
+
+    def draw(ax, setting: tuple) -> None:
         part = frame[setting_mask(frame, study.settings, setting)]
-        if part.empty:
-            continue
-        order = sorted(part["bucket"].unique(), key=lambda b: distance_range(b)[0] if kind == "distance" else float(b))
+        order = bucket_order(part["bucket"], kind)
         x = {b: i for i, b in enumerate(order)}
         for arm, rows in part.groupby("arm", sort=True):
             rows = rows.assign(x=rows["bucket"].map(x)).sort_values("x")
             ax.plot(rows["x"], rows["acc"], label=arm, **styles[arm])
-        floor_line(ax, study.floor(setting))
         ax.set_xticks(range(len(order)), order, rotation=45, fontsize=7)
         ax.set_xlabel("question-to-key distance (tokens)" if kind == "distance" else "needle depth")
-        ax.set_title(study.setting_label(setting), fontsize=8)
-        ax.set_ylim(0, 1.02)
-    return _finish(fig, axes, len(settings), path, f"test accuracy by {kind}")
+
+    return draw_panels(study, path, f"test accuracy by {kind}", draw)
 
 
 def draw_curves(study: StudyRuns, curves: pd.DataFrame, path: Path) -> Path | None:
     """Validation accuracy against steps, one panel per setting, a line per run (colour: arm), the floor dashed."""
     if curves.empty:
         return None
-    settings = study.groups()
     styles = _styles(sorted(curves["arm"].unique()))
-    fig, axes = _panels(study, len(settings))
-    for ax, setting in zip(axes, settings):
+
+    def draw(ax, setting: tuple) -> None:
         part = curves[setting_mask(curves, study.settings, setting)]
         for (arm, seed), rows in part.groupby(["arm", "seed"], sort=True):
             style = {k: v for k, v in styles[arm].items() if k != "marker"}
             ax.plot(rows["step"], rows["val/acc"], label=arm if seed == part["seed"].min() else None, alpha=0.8,
                     **style)
-        floor_line(ax, study.floor(setting))
         ax.set_xlabel("optimizer step")
-        ax.set_title(study.setting_label(setting), fontsize=8)
-        ax.set_ylim(0, 1.02)
-    return _finish(fig, axes, len(settings), path, "validation accuracy")
+
+    return draw_panels(study, path, "validation accuracy", draw)

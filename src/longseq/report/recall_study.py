@@ -33,6 +33,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -205,6 +206,17 @@ def lr_table_for(task: str, root: Path, stages: dict[str, list[Job]], plan: dict
 # Running, within the budget
 
 
+LIVE_JOBS: set[subprocess.Popen] = set()
+
+
+def stop_jobs(signum: int, frame: Any) -> None:
+    """SIGTERM to the driver stops its running jobs too (each saves interrupted.ckpt and is run again next time);
+    a job left running would write into a directory the next driver removes."""
+    for process in list(LIVE_JOBS):
+        process.terminate()
+    raise SystemExit(128 + signum)
+
+
 class Budget:
     """Driver wall time spent on a study, kept in ``<root>/budget.json`` across runs of the driver."""
 
@@ -237,7 +249,10 @@ def run_job(job: Job, threads: int, log_dir: Path, overrides: list[str], budget:
     with open(log_dir / f"{job.name}.txt", "w") as out:
         out.write(" ".join(command) + "\n")
         out.flush()
-        code = subprocess.run(command, cwd=PROJECT_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+        process = subprocess.Popen(command, cwd=PROJECT_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        LIVE_JOBS.add(process)
+        code = process.wait()
+        LIVE_JOBS.discard(process)
     status = job.status() if code == 0 or job.directory.exists() else FAILED
     seconds = time.time() - start
     with open(job.directory.parent / JOB_SECONDS, "a") as times:  # the measured cost, for --status
@@ -441,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.report:
         lock = hold_study_lock(root)  # noqa: F841 - held until the process exits
+        signal.signal(signal.SIGTERM, stop_jobs)
         for stage, jobs in stages.items():
             if stage != spec.get("lr_search"):
                 table = lr_table_for(args.task, root, stages, plan)
