@@ -22,9 +22,9 @@ are disjoint streams of the same seed (``SPLIT_KEYS``). Nothing is downloaded or
   once before its question; and the drawn slots go to the pairs in a random order (Zoology gives the first draw,
   most often the earliest slot, to the first pair: a model could then answer the first question with the first
   value without reading its key). Breakdown: the question's distance to its key in power-of-two buckets.
-- **Needle** (RULER's multi-key, multi-query needle, byte level): ``K`` needles ``" <key>: <digit>."`` with distinct
+- **Needle** (RULER's multi-key, multi-query needle, byte level): ``K`` needles ``" <key>:<digit>."`` with distinct
   random keys and distinct digits at jittered depths of a repeated haystack, then ``Q`` questions
-  ``" <key>: <digit>"``, each asking one of the needles; the label is the digit. Every needle's depth follows the
+  ``" <key>:<digit>"``, each asking one of the needles; the label is the digit. Every needle's depth follows the
   same law and the asked needle is drawn uniformly, so without its key a model cannot tell which needle is asked
   (``guess_floor``: 1/K). Test examples put the needles at held-out depths. Breakdown: the asked needle's depth
   (``repeat`` for a needle asked again).
@@ -175,7 +175,7 @@ class NeedleGenerator(RecallGenerator):
     """Byte-level needles that must be matched by their key (module docstring); tokens are byte values (256).
 
     Layout of the ``L + 1`` bytes (inputs ``s[:L]``, labels ``s[1:]``): a haystack of ``F`` filler bytes with the
-    ``K`` needles ``" <key>: <digit>."`` inserted, then ``Q`` questions ``" <key>: <digit>"``; the label at the byte
+    ``K`` needles ``" <key>:<digit>."`` inserted, then ``Q`` questions ``" <key>:<digit>"``; the label at the byte
     before each question's digit is that digit. A needle's depth is a depth of ``depths`` (``test_depths`` in the
     test split: depths never seen in training) plus a uniform jitter of up to ``jitter``, clipped to [0, 1]; it
     enters the haystack after ``round(depth x F)`` filler bytes. Every needle's depth follows that same law, the keys
@@ -213,13 +213,15 @@ class NeedleGenerator(RecallGenerator):
         self.haystack = np.frombuffer(HAYSTACK.encode() * (self.filler // len(HAYSTACK) + 2), dtype=np.uint8)
         self.depth_names = sorted({*self.depths, *self.test_depths})
 
+    # No space after the colon: the short conv then sees two key letters beside the digit, so one attention layer can
+    # match the question's key (with ": " it saw one, and `full` sat at the 1/K floor for 600 steps in the pilot).
     @staticmethod
     def needle(key: str, digit: str) -> str:
-        return f" {key}: {digit}."
+        return f" {key}:{digit}."
 
     @staticmethod
     def question(key: str, digit: str) -> str:
-        return f" {key}: {digit}"
+        return f" {key}:{digit}"
 
     def bucket_names(self) -> list[str]:
         return [f"{d:g}" for d in self.depth_names] + [REPEAT]
