@@ -122,8 +122,8 @@ def test_the_option_composes_with_presets_resolved_against_the_task(tmp_path):
     net = build_module(cfg).net
     assert net.layer_names == ["combiner_fixed", "local", "full"]
     assert "summary=mean" in repr(net.blocks[0].attn.attention) and net.blocks[1].attn.attention.window == 8
-    cfg = compose_config(["attention=combiner_fixed", "model.n_layers=2", "model.layer_attention={every:2,attention:full}"],
-                         tmp_path)
+    cfg = compose_config(["attention=combiner_fixed", "model.n_layers=2",
+                          "model.layer_attention={every:2,attention:full}"], tmp_path)
     assert build_module(cfg).net.layer_names == ["combiner_fixed", "full"]
     assert compose_config([], tmp_path).model.attention_presets == {}  # no plan: nothing resolved
     for bad in ("model.layer_attention=[full]", "model.layer_attention=[full,fnet]"):

@@ -46,7 +46,8 @@ def test_every_arm_composes_and_builds_at_both_lengths(tmp_path):
             if arm == "combiner_fixed_full":
                 assert layers == ["combiner_fixed", "full"]
             else:
-                assert layers == [cfg.attention.name] * 2 and cfg.attention.name == arm.removesuffix("_long").removesuffix("_short")
+                assert layers == [cfg.attention.name] * 2
+                assert cfg.attention.name == arm.removesuffix("_long").removesuffix("_short")
             if arm.startswith("local"):
                 window = net.blocks[0].attn.attention.window
                 assert window == (length if arm == "local_long" else cfg.task.block_size)
@@ -59,8 +60,10 @@ def test_the_study_trains_to_a_plateau_and_seeds_the_data(tmp_path):
     needle = compose_config(["experiment=recall/needle"], tmp_path, fast=False)
     for cfg in (mqar, needle):
         stop = cfg.callbacks.early_stopping
-        assert (stop.monitor, stop.mode, stop._target_) == ("val/acc", "max", "lightning.pytorch.callbacks.EarlyStopping")
-        assert 0 < cfg.trainer.min_steps < cfg.trainer.max_steps and cfg.trainer.val_check_interval == cfg.recall_val_every
+        assert (stop.monitor, stop.mode) == ("val/acc", "max")
+        assert stop._target_ == "lightning.pytorch.callbacks.EarlyStopping"
+        assert 0 < cfg.trainer.min_steps < cfg.trainer.max_steps
+        assert cfg.trainer.val_check_interval == cfg.recall_val_every
         assert cfg.task.data.num_train >= cfg.trainer.max_steps * cfg.task.batch_size  # no example seen twice
     assert mqar.task.data.seed == 2 and mqar.optimizer.lr == mqar.recall_lr.rule
     searched = compose_config(["experiment=recall/mqar", "+recall_lr.full=0.01"], tmp_path, fast=False)
@@ -167,7 +170,8 @@ def test_a_second_driver_on_the_same_study_is_refused(tmp_path):
     import sys
 
     held = study.hold_study_lock(tmp_path)
-    code = f"from pathlib import Path; from longseq.report import recall_study as s; s.hold_study_lock(Path({str(tmp_path)!r}))"
+    code = (f"from pathlib import Path; from longseq.report import recall_study as s; "
+            f"s.hold_study_lock(Path({str(tmp_path)!r}))")
     try:
         other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
         assert other.returncode != 0 and "another recall_study driver" in other.stderr and str(tmp_path) in other.stderr
@@ -237,7 +241,8 @@ def test_the_table_carries_the_floor_and_the_controls_and_intervals(tmp_path):
     assert f"| combiner_fixed | 0.220 ± {half:.3f} (3) |" in lines
     assert "| guessing floor | 0.250 |" in lines
     controls = next(line for line in lines if line.startswith("| controls"))
-    assert "pass: full 0.988 ≥ 0.95; local_long 0.980 ≥ 0.95; local_short (window 4): inside 0.970 ≥ 0.9" in controls
+    assert "pass: full 0.988 ≥ 0.95; local_long 0.980 ≥ 0.95" in controls
+    assert "local_short (window 4): inside 0.970 ≥ 0.9" in controls
     assert "beyond 16 tokens 0.200 ≤ floor + 0.05" in controls
     answers = rr.answers_table(runs, ["full", "combiner_fixed"])
     assert "| combiner_fixed | 0.70 / 0.250 |" in answers and "| guessing floor (precision) | 0.250 |" in answers
@@ -296,8 +301,8 @@ def test_the_driver_runs_a_tiny_study_end_to_end_and_resumes(tmp_path):
     assert study.main(args) == 0
     report = (tmp_path / "report.md").read_text()
     assert "guessing floor" in report and "| controls |" in report and "Learning-rate search" in report
-    assert {p.name for p in (tmp_path / "docs").iterdir()} == {"recall_mqar_accuracy.png", "recall_mqar_by_distance.png",
-                                                               "recall_mqar_curves.png"}
+    assert {p.name for p in (tmp_path / "docs").iterdir()} == {
+        "recall_mqar_accuracy.png", "recall_mqar_by_distance.png", "recall_mqar_curves.png"}
     seconds = (tmp_path / "mqar" / study.JOB_SECONDS).read_text().splitlines()
     assert study.main(args) == 0  # resumed: nothing left to run
     assert (tmp_path / "mqar" / study.JOB_SECONDS).read_text().splitlines() == seconds

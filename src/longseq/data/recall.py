@@ -195,7 +195,8 @@ class NeedleGenerator(RecallGenerator):
         self.num_needles = _int("task.num_needles", num_needles, 1)
         self.num_questions = _int("task.num_questions", num_questions, 1)
         if self.num_needles > len(DIGITS):
-            raise ConfigError("task.num_needles", f"must be <= 10: each needle carries its own digit, got {num_needles}")
+            raise ConfigError("task.num_needles", f"must be <= 10: each needle carries its own digit, "
+                                                  f"got {num_needles}")
         if vocab_size != 256:
             raise ConfigError("task.vocab_size", f"the needle task is byte-level: must be 256, got {vocab_size!r}")
         self.vocab_size = 256
@@ -242,7 +243,8 @@ class NeedleGenerator(RecallGenerator):
         hay = self.haystack[start:start + self.filler]
         parts, at = [], 0
         for i in np.argsort(offset, kind="stable"):
-            parts += [hay[at:offset[i]], np.frombuffer(self.needle(names[i].decode(), chr(digits[i])).encode(), np.uint8)]
+            needle = self.needle(names[i].decode(), chr(digits[i]))
+            parts += [hay[at:offset[i]], np.frombuffer(needle.encode(), np.uint8)]
             at = offset[i]
         parts.append(hay[at:])
         asked = rng.integers(K, size=Q)

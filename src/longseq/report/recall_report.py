@@ -76,7 +76,7 @@ class StudyRuns:
             row.update({k: float(v) for k, v in run.metrics.items() if k.startswith(("test/", "val/acc_best"))
                         and isinstance(v, (int, float))})
             curve = learning_curves(run, "val/acc")
-            row["steps"] = int(curve["step"].max()) + 1 if len(curve) else 0  # where early stopping (or the cap) ended it
+            row["steps"] = int(curve["step"].max()) + 1 if len(curve) else 0  # where early stopping or the cap ended
             rows.append(row)
         frame = pd.DataFrame(rows)
         return cls(frame=frame, runs={str(r.path): r for r in runs}, settings=settings)
@@ -191,8 +191,9 @@ def judge_controls(study: StudyRuns, setting: tuple, controls: dict, breakdown: 
             ok_in = not math.isnan(inside) and inside >= controls["inside"]
             ok_out = not math.isnan(beyond) and beyond <= floor + controls["margin"]
             trained &= ok_in and ok_out
-            lines.append(f"{short} (window {window}): inside {inside:.3f} {'≥' if ok_in else '<'} {controls['inside']}, "
-                         f"beyond {reach} tokens {beyond:.3f} {'≤' if ok_out else '>'} floor + {controls['margin']}")
+            lines.append(f"{short} (window {window}): inside {inside:.3f} {'≥' if ok_in else '<'} "
+                         f"{controls['inside']}, beyond {reach} tokens {beyond:.3f} {'≤' if ok_out else '>'} "
+                         f"floor + {controls['margin']}")
     elif short and not part.empty:
         lines.append(f"{short} {part['test/acc'].mean():.3f} (reported, not judged: no distance breakdown)")
     return ControlVerdict(trained=trained, lines=lines)

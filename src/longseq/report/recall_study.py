@@ -180,7 +180,8 @@ def rule_verdict(jobs: list[Job], rule: float, tolerance: float) -> tuple[bool, 
         at_rule = rates.get(rule, (math.nan, math.nan))[0]
         ok = not math.isnan(at_rule) and best - at_rule <= tolerance
         holds &= ok
-        lines.append(f"{arm}: best {best:.3f}, at the rule's {rule:g} {at_rule:.3f}" + ("" if ok else " (does not hold)"))
+        verdict = "" if ok else " (does not hold)"
+        lines.append(f"{arm}: best {best:.3f}, at the rule's {rule:g} {at_rule:.3f}{verdict}")
     return holds and bool(lines), lines
 
 
@@ -293,7 +294,8 @@ def print_status(stages: dict[str, list[Job]], budget: Budget | None = None) -> 
         left += len(jobs) - counts.get(COMPLETED, 0)
         seconds = measured_seconds(jobs[0].directory.parent) if jobs else {}
         took = [seconds[j.name] for j in jobs if j.name in seconds and j.status() == COMPLETED]
-        timing = f"; {sum(took) / 3600:.2f} job-hours, median {sorted(took)[len(took) // 2]:.0f} s a job" if took else ""
+        median = sorted(took)[len(took) // 2] if took else 0.0
+        timing = f"; {sum(took) / 3600:.2f} job-hours, median {median:.0f} s a job" if took else ""
         print(f"{stage}: {len(jobs)} jobs: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + timing)
         for job in jobs:
             if job.status() == FAILED:
@@ -317,7 +319,8 @@ def print_plan(task: str, stages: dict[str, list[Job]], plan: dict) -> float:
         hours = seconds / 3600 / plan["jobs"]
         total += hours
         print(f"{stage}: {len(jobs)} jobs, about {hours:.2f} h at {plan['jobs']} at a time")
-    print(f"{task}: about {total:.2f} h in all; the driver stops starting jobs after {plan['tasks'][task]['budget_hours']} h")
+    limit = plan["tasks"][task]["budget_hours"]
+    print(f"{task}: about {total:.2f} h in all; the driver stops starting jobs after {limit} h")
     return total
 
 
@@ -341,10 +344,12 @@ def write_report(task: str, root: Path, stages: dict[str, list[Job]], plan: dict
     kind = spec["breakdown"]
     sections = [f"# Recall study: {task}\n",
                 "Test accuracy, mean ± half-width of the 95 % t interval (seeds); the guessing floor and the controls "
-                "of every setting (conf/recall/plan.yaml) below the arms; a setting whose controls fail is not trained.\n",
+                "of every setting (conf/recall/plan.yaml) below the arms; a setting whose controls fail is not "
+                "trained.\n",
                 rr.main_table(study, plan["controls"], kind, arms),
                 "\n## Where the answers come from\n",
-                "Share of answers that are one of the example's candidates / accuracy among those (means over seeds).\n",
+                "Share of answers that are one of the example's candidates / accuracy among those (means over "
+                "seeds).\n",
                 rr.answers_table(study, arms),
                 "\n## Steps trained\n",
                 "Mean over seeds: where early stopping (or the cap, conf/recall/study.yaml) ended the runs.\n",
@@ -353,7 +358,8 @@ def write_report(task: str, root: Path, stages: dict[str, list[Job]], plan: dict
         sections += ["\n## Learning-rate search\n", lr_search_table(stages[search], plan)]
     not_done = [job for job in main if job.status() != COMPLETED]
     if not_done:
-        sections.append(f"\nNot completed: {len(not_done)} job(s) (python -m longseq.report.recall_study {task} --status).")
+        sections.append(f"\nNot completed: {len(not_done)} job(s) "
+                        f"(python -m longseq.report.recall_study {task} --status).")
     (root / "report.md").write_text("\n".join(sections) + "\n")
     rr.summary(study).to_csv(root / "accuracy.csv", index=False)
     breakdown, curves = rr.breakdown_frame(study, kind), rr.curves_frame(study)

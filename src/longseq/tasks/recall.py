@@ -9,8 +9,8 @@ Logs ``train/loss``, ``train/acc``, ``val/loss``, ``val/acc``, ``val/acc_best``,
 breakdown ``<split>/acc_<kind>/<bucket>`` (``kind``: ``distance`` for MQAR, ``depth`` for the needle, ``index`` for
 selective copy; a bucket without a question that epoch is not logged), and where the answers come from:
 ``<split>/in_example`` (the share of answers that are one of the example's candidates, e.g. MQAR's values) and
-``<split>/in_example_acc`` (how many of those are right: 1/D for a model that guesses among the values). At the end of every
-validation and of the test the breakdown is also written to ``<run>/recall/<split>_by_<kind>[_step<N>].csv``
+``<split>/in_example_acc`` (how many of those are right: 1/D for a model that guesses among the values). At the end
+of every validation and of the test the breakdown is also written to ``<run>/recall/<split>_by_<kind>[_step<N>].csv``
 and drawn to the matching ``.png``, which goes to every logger (TensorBoard image, W&B image, a copy in the
 CSV logger's folder), like the attention maps.
 """
