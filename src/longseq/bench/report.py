@@ -252,7 +252,9 @@ def throughput_table(rows: list[dict[str, Any]]) -> str:
         def fmt(value: Any, spec: str) -> str:
             return "" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
-        lines.append(f"| {r['attention']} | {fmt(r.get('tokens_per_s_lightning'), ',.0f')} | "
+        hybrid = len(set(str(r.get("layers") or "").split(","))) > 1  # train_step.layer_attention: say each layer's
+        label = f"{r['attention']} (layers {r['layers']})" if hybrid else r["attention"]
+        lines.append(f"| {label} | {fmt(r.get('tokens_per_s_lightning'), ',.0f')} | "
                      f"{fmt(r.get('tokens_per_s_bare'), ',.0f')} | {fmt(r.get('lightning_overhead'), '.3f')} | "
                      f"{r['status']}{(': ' + r['note']) if r.get('note') else ''} |")
     return "\n".join(lines)

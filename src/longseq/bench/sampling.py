@@ -30,7 +30,6 @@ SAMPLING_COLUMNS = ["attention", "length", "cached_tokens_per_s", "recompute_tok
                     "status", "note"]
 STEP_COLUMNS = ["attention", "length", "position", "step_ms", "batch", "heads", "head_dim", "block_size", "status",
                 "note"]
-BUILD_KEYS = {"seq_len", "n_heads", "head_dim", "dropout"}  # supplied by the backbone, not the attention config
 
 
 def _sync(device: torch.device) -> None:
@@ -80,12 +79,11 @@ def measure_sampling(names: list[str], cfg: Any, device: str) -> list[dict[str, 
         if spec.skip_reason:
             rows.append({**row, "status": "skipped", "note": spec.skip_reason})
             continue
-        attention = {k: v for k, v in spec.kwargs.items() if k not in BUILD_KEYS}
         try:
             torch.manual_seed(0)
             net = Transformer(vocab_size=int(cfg.vocab_size) + 1, seq_len=length, n_layers=int(cfg.n_layers),
-                              d_model=int(cfg.d_model), n_heads=int(cfg.n_heads), attention={"name": spec.registry_name,
-                              **attention}, out_dim=int(cfg.vocab_size)).to(torch_device).eval()
+                              d_model=int(cfg.d_model), n_heads=int(cfg.n_heads), attention=spec.backbone_attention(),
+                              out_dim=int(cfg.vocab_size)).to(torch_device).eval()
             start = torch.full((batch, 1), int(cfg.vocab_size), dtype=torch.long, device=torch_device)
             generator = torch.Generator(device=torch_device).manual_seed(0)
             try:

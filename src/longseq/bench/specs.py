@@ -13,15 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import OmegaConf
 
 from longseq.attention.registry import ATTENTION_REGISTRY, PARTITION_FAMILIES, accepted_kwargs
-
-CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
+from longseq.utils.presets import CONF_DIR, load_attention_yaml
 
 # ``sparse`` / ``combiner`` resolve through ``partition=`` to a registered preset: benchmarking them
 # would time the same module twice.
 GENERIC_NAMES = frozenset(PARTITION_FAMILIES)
+BUILD_KEYS = {"seq_len", "n_heads", "head_dim", "dropout"}  # supplied by the backbone, not the attention config
 
 # Families for the quick preset (a variant's ``family`` is its attention subpackage), with the members preferred
 # as representatives (the Combiner paper's Fig. 3 set first); names not listed fall back to the registry order.
@@ -112,32 +111,16 @@ class AttentionSpec:
     note: str = ""
     skip_reason: str = ""
 
+    def backbone_attention(self) -> dict[str, Any]:
+        """The spec a ``Transformer`` takes for this attention (``name`` and knobs; the backbone passes the sizes
+        in ``BUILD_KEYS`` to every layer itself)."""
+        return {"name": self.registry_name, **{k: v for k, v in self.kwargs.items() if k not in BUILD_KEYS}}
+
 
 def task_geometry(length: int, causal: bool, block_size: int | None = None) -> dict[str, Any]:
     """The synthetic ``task.*`` keys the attention YAMLs interpolate."""
     block = block_size or synthetic_block_size(length)
     return {"causal": causal, "seq_len": length, "block_size": block, "n_clusters": max(1, length // block)}
-
-
-def load_attention_yaml(name: str, task: dict[str, Any], conf_dir: Path = CONF_DIR) -> dict[str, Any]:
-    """Resolve ``conf/attention/<name>.yaml`` against ``task`` -> plain dict (``name`` and its knobs).
-
-    Defaults-list entries such as ``- /partition: axial`` are honoured by loading that group's file at
-    its package, the way Hydra composes the training config.
-    """
-    path = conf_dir / "attention" / f"{name}.yaml"
-    attention = OmegaConf.load(path)
-    root = OmegaConf.create({"task": task})
-    for entry in attention.pop("defaults", []) or []:
-        if not OmegaConf.is_dict(entry):
-            continue  # ``_self_``
-        for key, option in entry.items():
-            group, _, package = str(key).lstrip("/").partition("@")
-            if option is None or group.startswith("override"):
-                continue
-            root[package or group.replace("/", ".")] = OmegaConf.load(conf_dir / group / f"{option}.yaml")
-    root.attention = attention
-    return OmegaConf.to_container(root.attention, resolve=True)  # type: ignore[return-value]
 
 
 def build_spec(
@@ -180,7 +163,7 @@ def build_spec(
         spec.skip_reason = f"{name}: unknown knob(s) {unknown}; valid: {sorted(accepted_kwargs(cls))}"
         return spec
     try:
-        resolved = load_attention_yaml(registry_name, task, conf_dir)
+        resolved = load_attention_yaml(registry_name, {"task": task}, conf_dir)
     except FileNotFoundError:
         # No YAML yet: give the geometry knobs the variant accepts the values its YAML would interpolate.
         accepted = accepted_kwargs(cls)

@@ -26,7 +26,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from omegaconf import OmegaConf
+
 from longseq.bench.specs import build_spec
+from longseq.models.layer_plan import plan_names
 
 
 def next_token_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -101,6 +104,15 @@ def lightning_step_s(model: torch.nn.Module, loader: Any, steps: int, warmup: in
     return _median_step_s(timer.step_ends, warmup)
 
 
+def plan_presets(plan: Any, cfg: Any, causal: bool) -> dict[str, dict[str, Any]]:
+    """The presets of the names a hybrid plan (``train_step.layer_attention``) uses, resolved at this benchmark's
+    length and block size as the attentions themselves are (``build_spec``)."""
+    head_dim = int(cfg.d_model) // int(cfg.n_heads)
+    specs = {name: build_spec(name, int(cfg.seq_len), causal=causal, n_heads=int(cfg.n_heads), head_dim=head_dim,
+                              block_size=cfg.block_size) for name in plan_names(plan)}
+    return {name: spec.backbone_attention() for name, spec in specs.items() if not spec.skip_reason}
+
+
 def measure_throughput(names: list[str], cfg: Any, device: str) -> list[dict[str, Any]]:
     """Rows of tokens/s (Lightning and bare) and their ratio, one per attention; failures become statuses."""
     try:
@@ -116,6 +128,8 @@ def measure_throughput(names: list[str], cfg: Any, device: str) -> list[dict[str
     tokens = torch.randint(0, cfg.vocab_size, (n_batches * batch, length), generator=generator)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=batch, shuffle=False)
     head_dim = cfg.d_model // cfg.n_heads
+    plan = cfg.get("layer_attention")
+    plan = OmegaConf.to_container(plan) if OmegaConf.is_config(plan) else plan
     rows = []
     for name in names:
         row: dict[str, Any] = {"attention": name, "seq_len": length, "batch": batch, "block_size": cfg.block_size,
@@ -125,15 +139,17 @@ def measure_throughput(names: list[str], cfg: Any, device: str) -> list[dict[str
         if spec.skip_reason:
             rows.append({**row, "status": "skipped", "note": spec.skip_reason})
             continue
-        attention = {k: v for k, v in spec.kwargs.items() if k not in {"seq_len", "n_heads", "head_dim", "dropout"}}
+        attention = spec.backbone_attention()
         row["note"] = spec.note
         try:
             torch.manual_seed(0)
             model = Transformer(
                 vocab_size=cfg.vocab_size, seq_len=length, n_layers=cfg.n_layers, d_model=cfg.d_model,
                 n_heads=cfg.n_heads, mlp_ratio=cfg.mlp_ratio, dropout=0.0, attn_dropout=0.0,
-                attention={"name": name, **attention}, pos_emb="learned", image_shape=None,
+                attention=attention, pos_emb="learned", image_shape=None,
+                layer_attention=plan, attention_presets=plan_presets(plan, cfg, attention["causal"]),
             ).to(torch_device)
+            row["layers"] = ",".join(model.layer_names)
             bare_s, lightning_s = math.inf, math.inf
             # Alternate the two loops and keep each one's best round, so a burst of load from other
             # processes or a one-off start-up cost does not land on one side only.
@@ -159,5 +175,5 @@ def measure_throughput(names: list[str], cfg: Any, device: str) -> list[dict[str
 
 THROUGHPUT_COLUMNS = [
     "attention", "tokens_per_s_lightning", "tokens_per_s_bare", "lightning_overhead", "lightning_ms", "bare_ms",
-    "status", "note", "seq_len", "batch", "block_size", "n_layers", "d_model",
+    "status", "note", "seq_len", "batch", "block_size", "n_layers", "d_model", "layers",
 ]

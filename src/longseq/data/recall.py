@@ -4,6 +4,8 @@ Every example is ``(inputs (L,), labels (L,), buckets (L,))`` int64 tensors. ``l
 causal model must predict at position ``t`` (the LM convention: it only sees ``inputs[:t + 1]``); every
 position that is not a question holds ``IGNORE_INDEX`` (-100), so loss and accuracy count questions only.
 ``buckets[t]`` is the breakdown bucket of the question at ``t`` (-1 elsewhere); ``bucket_names()`` names them.
+Answers come from a generator's ``answer_ids``; the ones that occur in an example are its candidates, and picking
+one of them at random is the guessing floor (``guess_floor``) every table of the recall study shows.
 
 Example ``i`` of a split is drawn from its own generator, ``SeedSequence(seed, spawn_key=(split, i))``: an
 example does not depend on the batch size, the dataset size or the order it is read in, and the three splits
@@ -17,19 +19,21 @@ are disjoint streams of the same seed (``SPLIT_KEYS``). Nothing is downloaded or
   the label there is ``v_j``. Fillers differ from Zoology's ``random_non_queries`` (uniform over the whole
   vocabulary, so a filler can repeat a key or a value of the example): here they are drawn from the keys
   that are NOT among the example's pairs, so each key is asked exactly once and each answer occurs exactly
-  once before its question. Breakdown: the question's distance to its key (``2 D + 2 g_j - 2 j``) in
-  power-of-two buckets.
-- **Needle** (RULER's single needle, byte level): a haystack of repeated filler sentences with the needle
-  ``" <key>: <value>."`` (``key`` lowercase letters, ``value`` digits) inserted at depth ``d`` (a fraction of
-  the haystack, drawn from ``depths``), then the question ``" <key>:"`` and the value; the labels are the
-  value's digits. Breakdown: the depth.
+  once before its question; and the drawn slots go to the pairs in a random order (Zoology gives the first draw,
+  most often the earliest slot, to the first pair: a model could then answer the first question with the first
+  value without reading its key). Breakdown: the question's distance to its key in power-of-two buckets.
+- **Needle** (RULER's multi-key, multi-query needle, byte level): ``K`` needles ``" <key>:<digit>."`` with distinct
+  random keys and distinct digits at jittered depths of a repeated haystack, then ``Q`` questions
+  ``" <key>:<digit>"``, each asking one of the needles; the label is the digit. Every needle's depth follows the
+  same law and the asked needle is drawn uniformly, so without its key a model cannot tell which needle is asked
+  (``guess_floor``: 1/K). Test examples put the needles at held-out depths. Breakdown: the asked needle's depth
+  (``repeat`` for a needle asked again).
 - **Selective copy** (Mamba, Gu & Dao 2023): ``K`` data tokens at random positions of a noise sequence, a
   separator, then the data tokens again, in order, as labels. Breakdown: the position in the copied output.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Sequence
 
 import lightning as L
@@ -75,14 +79,18 @@ def distance_bucket(distance: np.ndarray) -> np.ndarray:
 
 
 class RecallGenerator:
-    """Base of the three generators: validated sizes plus ``example(rng) -> (inputs, labels, buckets)``."""
+    """Base of the three generators: validated sizes plus ``example(rng, split) -> (inputs, labels, buckets)``.
+
+    ``answer_ids`` are the tokens an answer is drawn from (MQAR's values, the needle's digits, the copied data
+    tokens); those that occur in an example's inputs are its candidate answers."""
 
     bucket_kind = "bucket"  # what the breakdown is by (the metric key: <split>/acc_<kind>/<bucket>)
+    answer_ids: np.ndarray
 
     def bucket_names(self) -> list[str]:
         raise NotImplementedError
 
-    def example(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def example(self, rng: np.random.Generator, split: str = "train") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         raise NotImplementedError
 
 
@@ -118,12 +126,17 @@ class MqarGenerator(RecallGenerator):
     def bucket_names(self) -> list[str]:
         return power_of_two_buckets(self.seq_len)
 
-    def example(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    @property
+    def answer_ids(self) -> np.ndarray:
+        return self.value_ids
+
+    def example(self, rng: np.random.Generator, split: str = "train") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         D, L = self.num_pairs, self.seq_len
         chosen = rng.choice(len(self.key_ids), size=D, replace=False)
         keys = self.key_ids[chosen]
         values = rng.choice(self.value_ids, size=D, replace=False)
         gaps = rng.choice(self.space, size=D, replace=False, p=self.gap_p)
+        asked = rng.permutation(D)  # the pair each drawn slot asks: the question order says nothing about the pair
         # Fillers: keys absent from this example (never a value, never one of its D keys).
         unused = np.ones(len(self.key_ids), dtype=bool)
         unused[chosen] = False
@@ -131,11 +144,11 @@ class MqarGenerator(RecallGenerator):
         inputs = fillers[rng.integers(0, len(fillers), size=L)]
         inputs[0:2 * D:2], inputs[1:2 * D:2] = keys, values
         where = 2 * D + 2 * gaps
-        inputs[where] = keys
+        inputs[where] = keys[asked]
         labels = np.full(L, IGNORE_INDEX, dtype=np.int64)
-        labels[where] = values
+        labels[where] = values[asked]
         buckets = np.full(L, -1, dtype=np.int64)
-        buckets[where] = distance_bucket(where - 2 * np.arange(D))
+        buckets[where] = distance_bucket(where - 2 * asked)
         return inputs.astype(np.int64), labels, buckets
 
 
@@ -146,70 +159,105 @@ def gap_probabilities(space: int, power_a: float) -> np.ndarray:
 
 
 HAYSTACK = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
+DIGITS = np.arange(ord("0"), ord("9") + 1)
+REPEAT = "repeat"  # the needle's bucket of a question that asks a needle already asked (answerable from that question)
+
+
+def _fractions(key: str, values: Any) -> list[float]:
+    """A non-empty list of fractions in [0, 1], else a ``ConfigError`` naming ``key``."""
+    values = list(values) if isinstance(values, (list, tuple, Sequence)) and not isinstance(values, str) else None
+    if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1 for v in values):
+        raise ConfigError(key, f"must be a non-empty list of fractions in [0, 1], got {values!r}")
+    return [float(v) for v in values]
 
 
 class NeedleGenerator(RecallGenerator):
-    """Byte-level single-needle retrieval (module docstring); tokens are byte values (vocabulary 256).
+    """Byte-level needles that must be matched by their key (module docstring); tokens are byte values (256).
 
-    The needle starts at haystack offset ``round(d * (H - N))`` (``H`` haystack bytes before the question,
-    ``N`` needle bytes), so depth 0 puts it first and depth 1 right before the question.
+    Layout of the ``L + 1`` bytes (inputs ``s[:L]``, labels ``s[1:]``): a haystack of ``F`` filler bytes with the
+    ``K`` needles ``" <key>:<digit>."`` inserted, then ``Q`` questions ``" <key>:<digit>"``; the label at the byte
+    before each question's digit is that digit. A needle's depth is a depth of ``depths`` (``test_depths`` in the
+    test split: depths never seen in training) plus a uniform jitter of up to ``jitter``, clipped to [0, 1]; it
+    enters the haystack after ``round(depth x F)`` filler bytes. Every needle's depth follows that same law, the keys
+    are distinct, the digits distinct, and each question asks a needle drawn uniformly (with replacement), so the
+    asked needle's position, depth and digit say nothing without its key. A question that asks a needle again is
+    bucketed ``repeat``, not by depth: its answer also sits in the earlier question, a few bytes back.
     """
 
     bucket_kind = "depth"
+    answer_ids = DIGITS
 
-    def __init__(self, seq_len: int, depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0), key_len: int = 6,
-                 value_len: int = 5, vocab_size: int = 256) -> None:
+    def __init__(self, seq_len: int, depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
+                 test_depths: Sequence[float] = (0.125, 0.375, 0.625, 0.875), jitter: float = 0.05,
+                 num_needles: int = 4, num_questions: int = 4, key_len: int = 6, vocab_size: int = 256) -> None:
         self.seq_len = _int("task.seq_len", seq_len, 1)
         self.key_len = _int("task.key_len", key_len, 1)
-        self.value_len = _int("task.value_len", value_len, 1)
+        self.num_needles = _int("task.num_needles", num_needles, 1)
+        self.num_questions = _int("task.num_questions", num_questions, 1)
+        if self.num_needles > len(DIGITS):
+            raise ConfigError("task.num_needles", f"must be <= 10: each needle carries its own digit, "
+                                                  f"got {num_needles}")
         if vocab_size != 256:
             raise ConfigError("task.vocab_size", f"the needle task is byte-level: must be 256, got {vocab_size!r}")
         self.vocab_size = 256
-        depths = list(depths) if isinstance(depths, (list, tuple, Sequence)) and not isinstance(depths, str) else None
-        if not depths or any(isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d <= 1 for d in depths):
-            raise ConfigError("task.depths", f"must be a non-empty list of fractions in [0, 1], got {depths!r}")
-        self.depths = [float(d) for d in depths]
-        self.needle_len = len(self.needle("k" * self.key_len, "0" * self.value_len))
-        question_len = len(self.question("k" * self.key_len))
-        need = self.needle_len + question_len + self.value_len + 8
-        if self.seq_len < need:
-            raise ConfigError("task.seq_len", f"must be >= {need} for a needle of key_len={key_len}, "
-                                              f"value_len={value_len} plus the question and 8 haystack bytes, "
-                                              f"got {seq_len}")
-        self.haystack = np.frombuffer(HAYSTACK.encode() * (self.seq_len // len(HAYSTACK) + 2), dtype=np.uint8)
+        self.depths, self.test_depths = _fractions("task.depths", depths), _fractions("task.test_depths", test_depths)
+        if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or not 0 <= jitter <= 0.5:
+            raise ConfigError("task.depth_jitter", f"must be a fraction in [0, 0.5], got {jitter!r}")
+        self.jitter = float(jitter)
+        self.needle_len = len(self.needle("k" * self.key_len, "0"))
+        self.question_len = len(self.question("k" * self.key_len, "0"))
+        self.filler = self.seq_len + 1 - self.num_needles * self.needle_len - self.num_questions * self.question_len
+        if self.filler < 8:
+            need = self.seq_len + 8 - self.filler
+            raise ConfigError("task.seq_len", f"must be >= {need} for {num_needles} needles and {num_questions} "
+                                              f"questions of key_len={key_len} plus 8 haystack bytes, got {seq_len}")
+        self.haystack = np.frombuffer(HAYSTACK.encode() * (self.filler // len(HAYSTACK) + 2), dtype=np.uint8)
+        self.depth_names = sorted({*self.depths, *self.test_depths})
+
+    # No space after the colon: the short conv then sees two key letters beside the digit, so one attention layer can
+    # match the question's key (with ": " it saw one, and `full` sat at the 1/K floor for 600 steps in the pilot).
+    @staticmethod
+    def needle(key: str, digit: str) -> str:
+        return f" {key}:{digit}."
 
     @staticmethod
-    def needle(key: str, value: str) -> str:
-        return f" {key}: {value}."
-
-    @staticmethod
-    def question(key: str) -> str:
-        return f" {key}: "
+    def question(key: str, digit: str) -> str:
+        return f" {key}:{digit}"
 
     def bucket_names(self) -> list[str]:
-        return [f"{d:g}" for d in self.depths]
+        return [f"{d:g}" for d in self.depth_names] + [REPEAT]
 
-    def layout(self, depth: float) -> tuple[int, int]:
-        """(haystack bytes before the question, offset of the needle in it) at depth fraction ``depth``."""
-        answer = len(self.question("k" * self.key_len)) + self.value_len
-        hay = self.seq_len + 1 - answer  # the string is L + 1 bytes: inputs = s[:L], labels = s[1:]
-        return hay, round(depth * (hay - self.needle_len))
-
-    def example(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        bucket = int(rng.integers(len(self.depths)))
-        key = bytes(rng.integers(ord("a"), ord("z") + 1, size=self.key_len).astype(np.uint8)).decode()
-        value = bytes(rng.integers(ord("0"), ord("9") + 1, size=self.value_len).astype(np.uint8)).decode()
-        hay_len, at = self.layout(self.depths[bucket])
+    def example(self, rng: np.random.Generator, split: str = "train") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        K, Q, L = self.num_needles, self.num_questions, self.seq_len
+        keys: set[bytes] = set()
+        while len(keys) < K:
+            keys.add(bytes(rng.integers(ord("a"), ord("z") + 1, size=self.key_len).astype(np.uint8)))
+        names = sorted(keys)
+        rng.shuffle(names)  # the set's order would follow the bytes
+        digits = rng.choice(DIGITS, size=K, replace=False)
+        grid = self.test_depths if split == "test" else self.depths
+        base = rng.integers(len(grid), size=K)
+        depth = np.clip(np.asarray(grid)[base] + rng.uniform(-self.jitter, self.jitter, size=K), 0.0, 1.0)
+        offset = np.rint(depth * self.filler).astype(np.int64)
         start = int(rng.integers(len(HAYSTACK)))  # the haystack's phase varies: no position memorizes it
-        hay = self.haystack[start:start + hay_len - self.needle_len].copy()
-        needle = np.frombuffer(self.needle(key, value).encode(), dtype=np.uint8)
-        tail = np.frombuffer((self.question(key) + value).encode(), dtype=np.uint8)
-        string = np.concatenate([hay[:at], needle, hay[at:], tail]).astype(np.int64)  # (L + 1,)
-        inputs, labels = string[:-1].copy(), np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
-        answer = slice(self.seq_len - self.value_len, self.seq_len)  # positions that predict the value's bytes
-        labels[answer] = string[1:][answer]
-        buckets = np.full(self.seq_len, -1, dtype=np.int64)
-        buckets[answer] = bucket
+        hay = self.haystack[start:start + self.filler]
+        parts, at = [], 0
+        for i in np.argsort(offset, kind="stable"):
+            needle = self.needle(names[i].decode(), chr(digits[i]))
+            parts += [hay[at:offset[i]], np.frombuffer(needle.encode(), np.uint8)]
+            at = offset[i]
+        parts.append(hay[at:])
+        asked = rng.integers(K, size=Q)
+        parts += [np.frombuffer(self.question(names[i].decode(), chr(digits[i])).encode(), np.uint8) for i in asked]
+        string = np.concatenate(parts).astype(np.int64)  # (L + 1,)
+        inputs = string[:-1].copy()
+        answers = L - self.question_len * np.arange(Q)[::-1]  # the byte before each question's digit, in inputs
+        labels = np.full(L, IGNORE_INDEX, dtype=np.int64)
+        labels[answers - 1] = string[answers]
+        buckets = np.full(L, -1, dtype=np.int64)
+        first = np.array([i not in asked[:q] for q, i in enumerate(asked)])
+        buckets[answers - 1] = np.where(first, np.searchsorted(self.depth_names, np.asarray(grid)[base[asked]]),
+                                        len(self.depth_names))
         return inputs, labels, buckets
 
 
@@ -237,7 +285,11 @@ class SelectiveCopyGenerator(RecallGenerator):
     def bucket_names(self) -> list[str]:
         return [str(k + 1) for k in range(self.num_tokens)]
 
-    def example(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    @property
+    def answer_ids(self) -> np.ndarray:
+        return np.arange(1 + self.num_noise, self.vocab_size)
+
+    def example(self, rng: np.random.Generator, split: str = "train") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         K, L = self.num_tokens, self.seq_len
         body = L - K  # noise + marked tokens; then SEP at L - K and the copy (string length L + 1)
         data = rng.integers(1 + self.num_noise, self.vocab_size, size=K)
@@ -270,7 +322,8 @@ class RecallDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not 0 <= index < self.size:
             raise IndexError(index)
-        return tuple(torch.from_numpy(a) for a in self.generator.example(example_rng(self.seed, self.split, index)))
+        rng = example_rng(self.seed, self.split, index)
+        return tuple(torch.from_numpy(a) for a in self.generator.example(rng, self.split))
 
     def tensors(self, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The first ``count`` (default all) examples stacked: (N, L) inputs, labels, buckets."""
@@ -322,12 +375,14 @@ class MqarDataModule(RecallDataModule):
 
 
 class NeedleDataModule(RecallDataModule):
-    """``task=needle``: byte-level single-needle retrieval at controlled depths (``NeedleGenerator``)."""
+    """``task=needle``: byte-level needles matched by their key, among distractors (``NeedleGenerator``)."""
 
-    def __init__(self, seq_len: int, depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0), key_len: int = 6,
-                 value_len: int = 5, vocab_size: int = 256, **kwargs: Any) -> None:
-        self.args = dict(seq_len=seq_len, depths=list(depths) if depths is not None else None, key_len=key_len,
-                         value_len=value_len, vocab_size=vocab_size)
+    def __init__(self, seq_len: int, depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
+                 test_depths: Sequence[float] = (0.125, 0.375, 0.625, 0.875), jitter: float = 0.05,
+                 num_needles: int = 4, num_questions: int = 4, key_len: int = 6, vocab_size: int = 256,
+                 **kwargs: Any) -> None:
+        self.args = dict(seq_len=seq_len, depths=depths, test_depths=test_depths, jitter=jitter,
+                         num_needles=num_needles, num_questions=num_questions, key_len=key_len, vocab_size=vocab_size)
         super().__init__(**kwargs)
 
     def make_generator(self) -> NeedleGenerator:
@@ -349,12 +404,17 @@ GENERATORS = {"mqar": MqarGenerator, "needle": NeedleGenerator, "selective_copy"
 
 
 def chance_accuracy(generator: RecallGenerator) -> float:
-    """Accuracy of the best guess that ignores the context: MQAR ``2 / V`` (a value, uniformly), the needle
-    ``1/10`` (a digit), selective copy ``1 / (V - 1 - num_noise)`` (a data token)."""
+    """Accuracy of the best guess that ignores the context: one of the ``answer_ids`` at random (MQAR ``2 / V``,
+    the needle ``1/10``, selective copy ``1 / (V - 1 - num_noise)``)."""
+    return 1.0 / len(generator.answer_ids)
+
+
+def guess_floor(generator: RecallGenerator) -> float:
+    """Accuracy of a model that answers with one of the example's candidates at random without reading the
+    question's key: MQAR ``1 / D`` (its values), the needle ``1 / K`` (its needles' digits); selective copy has no
+    such guess (its answers are the marked tokens in order): its chance."""
     if isinstance(generator, MqarGenerator):
-        return 1.0 / len(generator.value_ids)
+        return 1.0 / generator.num_pairs
     if isinstance(generator, NeedleGenerator):
-        return 0.1
-    if isinstance(generator, SelectiveCopyGenerator):
-        return 1.0 / (generator.vocab_size - 1 - generator.num_noise)
-    return math.nan
+        return 1.0 / generator.num_needles
+    return chance_accuracy(generator)

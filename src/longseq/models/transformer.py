@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from longseq.attention import build_attention
+from longseq.models.layer_plan import layer_errors, layer_specs
 from longseq.utils.errors import ConfigError
 
 POS_EMBEDDINGS = ("learned", "sinusoidal", "image", "rotary", "none")
@@ -257,6 +258,11 @@ class Transformer(nn.Module):
         n_layers, d_model, n_heads, mlp_ratio: sizes (``model.*``).
         dropout: residual/MLP/embedding dropout; ``attn_dropout`` goes to the attention weights.
         attention: ``{"name": <registry name>, **knobs}`` from ``conf/attention``.
+        layer_attention: a hybrid layer plan (``model.layer_attention``, ``longseq.models.layer_plan``): a list with
+            one entry per layer (``["combiner_fixed", "full"]``) or a pattern (``{"every": 2, "attention": "full"}``);
+            None: ``attention`` in every layer.
+        attention_presets: name -> preset spec for the plan's other names (``model.attention_presets``: the
+            ``conf/attention`` presets resolved against the task; a name without one gets the variant's defaults).
         pos_emb: ``learned`` (1D), ``sinusoidal`` (1D fixed), ``image`` (row/column/channel), ``rotary`` (q and k
             rotated in every layer, ``Rotary``; nothing added to the embeddings) or ``none``.
         image_shape: ``(H, W, C)``, required for ``pos_emb=image``.
@@ -276,7 +282,8 @@ class Transformer(nn.Module):
                  attention: Mapping[str, Any], mlp_ratio: float = 4.0, dropout: float = 0.0,
                  attn_dropout: float = 0.0, pos_emb: str = "learned",
                  image_shape: tuple[int, int, int] | None = None, out_dim: int | None = None,
-                 short_conv: int | None = None) -> None:
+                 short_conv: int | None = None, layer_attention: Any = None,
+                 attention_presets: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         super().__init__()
         check_backbone_sizes(vocab_size, seq_len, n_layers, d_model, n_heads, mlp_ratio, dropout, attn_dropout)
         short_conv = check_short_conv(short_conv)
@@ -296,13 +303,18 @@ class Transformer(nn.Module):
                                                    f"got {image_shape}")
             self.pos = ImagePositionEmbedding(tuple(image_shape), d_model)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(
-            Block(d_model, n_heads, mlp_ratio, dropout, attn_dropout, seq_len, attention, short_conv,
-                  rotary=pos_emb == "rotary")
-            for _ in range(n_layers)
-        )
+        self.blocks = nn.ModuleList()
+        for layer, spec in enumerate(layer_specs(attention, layer_attention, n_layers, attention_presets)):
+            with layer_errors(layer, spec, planned=spec != dict(attention)):
+                self.blocks.append(Block(d_model, n_heads, mlp_ratio, dropout, attn_dropout, seq_len, spec, short_conv,
+                                         rotary=pos_emb == "rotary"))
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, out_dim or vocab_size)
+
+    @property
+    def layer_names(self) -> list[str]:
+        """The registry name of each layer's attention, bottom first."""
+        return [block.attn.attention.name for block in self.blocks]
 
     def positions(self, length: int, start: int = 0) -> torch.Tensor | float:
         """(length, d_model) position embeddings of positions ``start .. start + length - 1`` (or 0.0)."""

@@ -1,25 +1,28 @@
-"""``python -m longseq.report.recall_study mqar|needle`` — run the recall study job by job, resumably, then
-write its table and figure.
+"""``python -m longseq.report.recall_study mqar|needle`` — run the recall study job by job, resumably, within its
+wall-time budget, then write its tables and figures.
 
-The jobs are the products of the experiments' ``hydra.sweeper.params`` (the one home of the sweep; the same
-configs ``python train.py -m experiment=recall/<name>`` runs as a plain multirun):
+The plan is ``conf/recall/plan.yaml``: the stages of each task (experiments whose ``hydra.sweeper.params`` are the
+jobs: the one home of the sweep, the same configs ``python train.py -m experiment=recall/<name>`` runs as a plain
+multirun), the controls every setting must pass, the learning-rate rule and the budget:
 
-- ``mqar``: ``recall/mqar_lr`` (the per-attention learning-rate search), then ``recall/mqar`` (L = 256, 3 seeds)
-  and ``recall/mqar_long`` (L = 1,024), each job with the learning rate its attention won in the search;
-- ``needle``: ``recall/needle``, with the learning rates of the MQAR search when its ``lr_table.yaml`` exists
-  (``--lr-table``, default ``logs/recall_mqar/study/lr_table.yaml``), else the table of ``conf/recall/study.yaml``.
+- ``mqar``: ``recall/mqar_lr`` (the headline arms at four rates, trained to the final budget), then ``recall/mqar``
+  (L = 256) and ``recall/mqar_long`` (L = 1,024), each job with its arm's searched rate (the rule's rate for the arms
+  not searched);
+- ``needle``: ``recall/needle``, with the MQAR search's rates (``lr_table.yaml``) when it exists.
 
 Each job is one ``train.py`` run in ``<root>/<stage>/<job name>`` (``hydra.run.dir``), so a stopped study goes
 on where it stopped: a job whose ``metrics.json`` says ``completed`` is skipped, a job that never finished (no
 ``metrics.json``, interrupted, or stopped by Ctrl-C) is removed and run again, and a job that failed on its own
-is left as it is (``--retry-failed`` runs it again). ``--status`` lists done / failed / left per stage without
-running anything. ``--jobs 2`` runs two jobs at a time, each with ``cores / jobs`` threads.
+is left as it is (``--retry-failed`` runs it again). Jobs run in priority order (the search; then per stage seed 1
+of every setting before seeds 2 and 3, the controls of a setting before its other arms), and none starts once the
+task's ``budget_hours`` of driver wall time (``<root>/budget.json``, summed over the driver's runs) are spent:
+a study cut short keeps what it finished. ``--plan`` lists the jobs and the budget estimate, ``--status`` what is
+done / failed / left and the time spent, ``--jobs 2`` runs two jobs at a time with ``cores / jobs`` threads each.
 
-At the end (and with ``--report`` alone) the completed jobs are aggregated by ``longseq.report`` (mean ± std over
-seeds of ``test/acc`` by attention, length and pairs; failed and unfinished jobs listed) into
-``<root>/report.md`` / ``report.csv`` (the needle also ``report_by_depth.csv``), and the figure — test accuracy
-against D (MQAR) or against the needle's depth, one panel per L, one line per attention — is drawn to
-``<root>/recall_<task>.png`` (``--figure`` copies it, e.g. into ``docs/``).
+At the end (and with ``--report`` alone) ``longseq.report.recall_report`` writes ``<root>/report.md`` (the table
+with the guessing floor and the controls of every setting, where the answers come from, the learning-rate search
+and the rule), ``accuracy.csv``, ``by_<breakdown>.csv``, ``curves.csv`` and the figures ``accuracy.png``,
+``by_<breakdown>.png``, ``curves.png`` (``--figures DIR`` copies them, prefixed ``recall_<task>_``).
 """
 
 from __future__ import annotations
@@ -30,25 +33,31 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from longseq.report.outcome import COMPLETED, FAILED, METRICS_FILE
 
 PROJECT_ROOT = Path(__file__).resolve().parents[3]  # train.py and conf/ live here
-STAGES = {"mqar": ["recall/mqar_lr", "recall/mqar", "recall/mqar_long", "recall/mqar_seeds"], "needle": ["recall/needle"]}
-LR_STAGE = "recall/mqar_lr"
+PLAN_FILE = PROJECT_ROOT / "conf" / "recall" / "plan.yaml"
+ARM_GROUP = "recall/arm"
 LR_KEY = "optimizer.lr"
-GROUP_BY = {"mqar": ["attention", "task.seq_len", "task.num_pairs"], "needle": ["attention", "task.seq_len"]}
+JOB_SECONDS = "job_seconds.tsv"  # per stage folder: job name, wall seconds, status (one line per run of the job)
 # Errors that mean "stopped from outside", not "this configuration fails": such a job is run again. Lightning
 # turns Ctrl-C during fit into sys.exit(1) ("SystemExit: 1"); SIGTERM is "SystemExit: 143" (status interrupted).
 STOPPED = ("KeyboardInterrupt", "SystemExit: 1", "SystemExit: 130", "SystemExit: 143")
+
+
+def load_plan(path: Path = PLAN_FILE) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text())
 
 
 @dataclass
@@ -61,6 +70,14 @@ class Job:
     @property
     def name(self) -> str:
         return self.directory.name
+
+    @property
+    def values(self) -> dict[str, str]:
+        return dict(o.split("=", 1) for o in self.overrides)
+
+    @property
+    def arm(self) -> str:
+        return self.values.get(ARM_GROUP, "")
 
     def status(self) -> str:
         """``completed``, ``failed``, ``stopped`` (interrupted from outside), ``unfinished`` or ``not started``."""
@@ -80,8 +97,8 @@ class Job:
         return json.loads((self.directory / METRICS_FILE).read_text()).get("metrics", {})
 
 
-def sweep_params(experiment: str) -> dict[str, list[str]]:
-    """``hydra.sweeper.params`` of ``experiment=<experiment>``, each as its list of values."""
+def compose_stage(experiment: str, overrides: list[str] = ()):
+    """The composed config of ``experiment=<experiment>`` (with Hydra's own node: its sweep parameters)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -91,58 +108,138 @@ def sweep_params(experiment: str) -> dict[str, list[str]]:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(version_base="1.3", config_dir=str(PROJECT_ROOT / "conf")):
-            cfg = compose(config_name="train", overrides=[f"experiment={experiment}"], return_hydra_config=True)
+            return compose(config_name="train", overrides=[f"experiment={experiment}", *overrides],
+                           return_hydra_config=True)
     finally:
         GlobalHydra.instance().clear()
+
+
+def sweep_params(experiment: str) -> dict[str, list[str]]:
+    """``hydra.sweeper.params`` of ``experiment=<experiment>``, each as its list of values."""
+    cfg = compose_stage(experiment)
     return {str(k): [v.strip() for v in str(v).split(",")] for k, v in cfg.hydra.sweeper.params.items()}
 
 
 def job_name(pairs: list[tuple[str, str]]) -> str:
-    return ",".join(f"{k}={v}" for k, v in pairs)
+    return ",".join(f"{k.replace(ARM_GROUP, 'arm')}={v}" for k, v in pairs)  # no '/' in a directory name
 
 
-def stage_jobs(stage: str, root: Path) -> list[Job]:
-    """The jobs of one stage: the product of its sweep parameters, in the sweep's order."""
+def priority(job: Job, arms: list[str], controls: list[str]) -> tuple:
+    """Seed first, then the setting, then the controls before the other arms (in the sweep's order)."""
+    values = job.values
+    setting = tuple(v for k, v in values.items() if k not in (ARM_GROUP, "seed"))
+    arm = job.arm
+    return (int(values.get("seed", 0)), setting, (0, controls.index(arm)) if arm in controls else (1, arms.index(arm)))
+
+
+def stage_jobs(stage: str, root: Path, controls: list[str] = (), one_seed: list[str] = ()) -> list[Job]:
+    """The jobs of one stage: the product of its sweep parameters, in priority order; the arms of ``one_seed`` at
+    the stage's first seed only."""
     params = sweep_params(stage)
     keys = list(params)
+    first_seed = params.get("seed", [None])[0]
     jobs = []
     for values in itertools.product(*(params[k] for k in keys)):
         pairs = list(zip(keys, values))
-        jobs.append(Job(stage, [f"{k}={v}" for k, v in pairs], root / stage.split("/")[-1] / job_name(pairs)))
-    return jobs
+        job = Job(stage, [f"{k}={v}" for k, v in pairs], root / stage.split("/")[-1] / job_name(pairs))
+        if job.arm in one_seed and job.values.get("seed", first_seed) != first_seed:
+            continue
+        jobs.append(job)
+    arms = params.get(ARM_GROUP, [])
+    return sorted(jobs, key=lambda j: priority(j, arms, list(controls))) if arms else jobs
 
 
-def pick_lrs(jobs: list[Job]) -> dict[str, float]:
-    """Per attention, the searched lr with the best ``val/acc_best`` (ties: the lower ``val/loss``)."""
-    best: dict[str, tuple[float, float, float]] = {}
+# ----------------------------------------------------------------------------------------------------
+# Learning rates
+
+
+def search_results(jobs: list[Job]) -> dict[str, dict[float, tuple[float, float]]]:
+    """Per arm and searched rate: (val/acc_best, val/loss) of the completed search jobs."""
+    found: dict[str, dict[float, tuple[float, float]]] = {}
     for job in jobs:
         if job.status() != COMPLETED:
             continue
-        values = dict(o.split("=", 1) for o in job.overrides)
         metrics = job.metrics()
         acc, loss = float(metrics.get("val/acc_best", math.nan)), float(metrics.get("val/loss", math.inf))
-        if math.isnan(acc):
-            continue
-        key = (acc, -loss)
-        attention, lr = values["attention"], float(values[LR_KEY])
-        if attention not in best or key > best[attention][:2]:
-            best[attention] = (acc, -loss, lr)
-    return {attention: lr for attention, (_, _, lr) in best.items()}
+        if not math.isnan(acc):
+            found.setdefault(job.arm, {})[float(job.values[LR_KEY])] = (acc, loss)
+    return found
 
 
-def selected(job: Job, only: str) -> bool:
-    """Whether ``job`` is among ``--only``'s entries: a bare name is an attention, ``key=value`` any swept setting;
-    a job is kept when, for every key the entries name, its value is one of those listed."""
-    wanted: dict[str, set[str]] = {}
-    for entry in (e.strip() for e in only.split(",") if e.strip()):
-        key, value = entry.split("=", 1) if "=" in entry else ("attention", entry)
-        wanted.setdefault(key.strip(), set()).add(value.strip())
-    values = dict(o.split("=", 1) for o in job.overrides)
-    return all(values.get(key) in allowed for key, allowed in wanted.items())
+def pick_lrs(jobs: list[Job]) -> dict[str, float]:
+    """Per arm, the searched lr with the best ``val/acc_best`` (ties: the lower ``val/loss``)."""
+    return {arm: max(rates, key=lambda lr: (rates[lr][0], -rates[lr][1]))
+            for arm, rates in search_results(jobs).items()}
 
 
-def run_job(job: Job, threads: int, log_dir: Path, overrides: list[str]) -> str:
+def rule_verdict(jobs: list[Job], rule: float, tolerance: float) -> tuple[bool, list[str]]:
+    """Whether the rule's rate is within ``tolerance`` (val/acc_best) of every searched arm's best, line per arm."""
+    holds, lines = True, []
+    for arm, rates in search_results(jobs).items():
+        best = max(acc for acc, _ in rates.values())
+        at_rule = rates.get(rule, (math.nan, math.nan))[0]
+        ok = not math.isnan(at_rule) and best - at_rule <= tolerance
+        holds &= ok
+        verdict = "" if ok else " (does not hold)"
+        lines.append(f"{arm}: best {best:.3f}, at the rule's {rule:g} {at_rule:.3f}{verdict}")
+    return holds and bool(lines), lines
+
+
+def lr_table_for(task: str, root: Path, stages: dict[str, list[Job]], plan: dict) -> dict[str, float]:
+    """The searched learning rates: this study's search (MQAR: written to ``<root>/lr_table.yaml``), or the MQAR
+    study's table (needle; empty when it does not exist: the jobs then use ``conf/recall/study.yaml``'s rates)."""
+    search = plan["tasks"][task].get("lr_search")
+    if search in stages:
+        table = pick_lrs(stages[search])
+        if table:
+            (root / "lr_table.yaml").write_text(
+                "# per-arm lr chosen by recall/mqar_lr (best val/acc_best, ties: lower val/loss); paste into\n"
+                "# recall_lr in conf/recall/study.yaml so that plain -m runs use it too\n"
+                + yaml.safe_dump({"recall_lr": table}, sort_keys=False))
+        return table
+    path = PROJECT_ROOT / plan["tasks"][task].get("lr_table", "")
+    if path.is_file() and path.suffix == ".yaml":
+        return dict(yaml.safe_load(path.read_text())["recall_lr"])
+    return {}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Running, within the budget
+
+
+LIVE_JOBS: set[subprocess.Popen] = set()
+
+
+def stop_jobs(signum: int, frame: Any) -> None:
+    """SIGTERM to the driver stops its running jobs too (each saves interrupted.ckpt and is run again next time);
+    a job left running would write into a directory the next driver removes."""
+    for process in list(LIVE_JOBS):
+        process.terminate()
+    raise SystemExit(128 + signum)
+
+
+class Budget:
+    """Driver wall time spent on a study, kept in ``<root>/budget.json`` across runs of the driver."""
+
+    def __init__(self, root: Path, hours: float) -> None:
+        self.path, self.limit_s = root / "budget.json", hours * 3600.0
+        self.before = json.loads(self.path.read_text())["spent_s"] if self.path.is_file() else 0.0
+        self.started = time.time()
+
+    def spent_s(self) -> float:
+        return self.before + time.time() - self.started
+
+    def left_s(self) -> float:
+        return self.limit_s - self.spent_s()
+
+    def save(self) -> None:
+        self.path.write_text(json.dumps({"spent_s": round(self.spent_s(), 1), "limit_s": self.limit_s}) + "\n")
+
+
+def run_job(job: Job, threads: int, log_dir: Path, overrides: list[str], budget: Budget) -> str:
     """Run one job as ``train.py`` in its own directory (a leftover of an unfinished attempt is removed first)."""
+    if budget.left_s() <= 0:
+        return "over budget"
     if job.directory.exists():
         shutil.rmtree(job.directory)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -153,150 +250,148 @@ def run_job(job: Job, threads: int, log_dir: Path, overrides: list[str]) -> str:
     with open(log_dir / f"{job.name}.txt", "w") as out:
         out.write(" ".join(command) + "\n")
         out.flush()
-        code = subprocess.run(command, cwd=PROJECT_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+        process = subprocess.Popen(command, cwd=PROJECT_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        LIVE_JOBS.add(process)
+        code = process.wait()
+        LIVE_JOBS.discard(process)
     status = job.status() if code == 0 or job.directory.exists() else FAILED
-    print(f"[{time.strftime('%H:%M:%S')}] {job.stage} {job.name}: {status} ({time.time() - start:.0f} s)", flush=True)
+    seconds = time.time() - start
+    with open(job.directory.parent / JOB_SECONDS, "a") as times:  # the measured cost, for --status
+        times.write(f"{job.name}\t{seconds:.1f}\t{status}\n")
+    budget.save()
+    print(f"[{time.strftime('%H:%M:%S')}] {job.stage} {job.name}: {status} ({seconds:.0f} s; "
+          f"{budget.spent_s() / 3600:.2f} h of {budget.limit_s / 3600:g} h spent)", flush=True)
     return status
 
 
-def run_stage(jobs: list[Job], n_parallel: int, retry_failed: bool, log_dir: Path, overrides: list[str]) -> None:
+def run_stage(jobs: list[Job], n_parallel: int, retry_failed: bool, log_dir: Path, overrides: list[str],
+              budget: Budget) -> None:
     todo = [j for j in jobs if j.status() != COMPLETED and (retry_failed or j.status() != FAILED)]
     if not todo:
         return
     threads = max(1, (os.cpu_count() or 1) // n_parallel)
     print(f"{jobs[0].stage}: {len(todo)} of {len(jobs)} job(s) to run, {n_parallel} at a time", flush=True)
     with ThreadPoolExecutor(max_workers=n_parallel) as pool:
-        list(pool.map(lambda j: run_job(j, threads, log_dir, overrides), todo))
+        list(pool.map(lambda j: run_job(j, threads, log_dir, overrides, budget), todo))
 
 
-def print_status(stages: dict[str, list[Job]]) -> int:
-    """One line per stage: how many jobs are completed / failed / left; the failed ones by name. Returns the
-    number of jobs not completed."""
+def measured_seconds(stage_dir: Path) -> dict[str, float]:
+    """Job name -> wall seconds of its last run, from ``<stage>/job_seconds.tsv``."""
+    path = stage_dir / JOB_SECONDS
+    if not path.is_file():
+        return {}
+    return {name: float(seconds) for name, seconds, *_ in (line.split("\t") for line in path.read_text().splitlines())}
+
+
+def print_status(stages: dict[str, list[Job]], budget: Budget | None = None) -> int:
+    """One line per stage: how many jobs are completed / failed / left and their measured wall time; the failed ones
+    by name. Returns the number of jobs not completed."""
     left = 0
     for stage, jobs in stages.items():
         counts: dict[str, int] = {}
         for job in jobs:
             counts[job.status()] = counts.get(job.status(), 0) + 1
         left += len(jobs) - counts.get(COMPLETED, 0)
-        print(f"{stage}: {len(jobs)} jobs: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+        seconds = measured_seconds(jobs[0].directory.parent) if jobs else {}
+        took = [seconds[j.name] for j in jobs if j.name in seconds and j.status() == COMPLETED]
+        median = sorted(took)[len(took) // 2] if took else 0.0
+        timing = f"; {sum(took) / 3600:.2f} job-hours, median {median:.0f} s a job" if took else ""
+        print(f"{stage}: {len(jobs)} jobs: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + timing)
         for job in jobs:
             if job.status() == FAILED:
                 print(f"  failed: {job.directory}")
+    if budget is not None:
+        print(f"budget: {budget.spent_s() / 3600:.2f} h of {budget.limit_s / 3600:g} h spent")
     return left
 
 
-def lr_table_for(task: str, root: Path, stages: dict[str, list[Job]], mqar_table: Path) -> dict[str, float]:
-    """The searched learning rates: this study's search (MQAR), or the MQAR study's ``lr_table.yaml`` (needle;
-    empty when it does not exist: the jobs then use ``recall_lr`` of ``conf/recall/study.yaml``)."""
-    if LR_STAGE in stages:
-        table = pick_lrs(stages[LR_STAGE])
-        if table:
-            (root / "lr_table.yaml").write_text(
-                "# per-attention lr chosen by recall/mqar_lr (best val/acc_best, ties: lower val/loss); paste into\n"
-                "# recall_lr in conf/recall/study.yaml so that plain -m runs use it too\n"
-                + yaml.safe_dump({"recall_lr": table}, sort_keys=False))
-        return table
-    if mqar_table.is_file():
-        return dict(yaml.safe_load(mqar_table.read_text())["recall_lr"])
-    return {}
+def print_plan(task: str, stages: dict[str, list[Job]], plan: dict) -> float:
+    """The jobs of every stage and the wall time they need at ``plan.yaml``'s per-job estimates (measured in the
+    pilot) with ``jobs`` running at a time. Returns the estimated hours."""
+    estimate = {int(length): costs for length, costs in plan["tasks"][task].get("job_seconds", {}).items()}
+    total = 0.0
+    for stage, jobs in stages.items():
+        stage_length = int(compose_stage(stage).task.seq_len)
+        seconds = 0.0
+        for job in jobs:
+            costs = estimate.get(int(job.values.get("task.seq_len", stage_length)), {})
+            seconds += float(costs.get(job.arm, costs.get("default", math.nan)))
+        hours = seconds / 3600 / plan["jobs"]
+        total += hours
+        print(f"{stage}: {len(jobs)} jobs, about {hours:.2f} h at {plan['jobs']} at a time")
+    limit = plan["tasks"][task]["budget_hours"]
+    print(f"{task}: about {total:.2f} h in all; the driver stops starting jobs after {limit} h")
+    return total
 
 
-def write_report(task: str, root: Path, stages: dict[str, list[Job]], figure: Path | None) -> None:
+# ----------------------------------------------------------------------------------------------------
+# Report
+
+
+def write_report(task: str, root: Path, stages: dict[str, list[Job]], plan: dict, figures: Path | None) -> None:
+    from longseq.report import recall_report as rr
     from longseq.report.runs import load_run
-    from longseq.report.table import aggregate
 
-    main = [job for stage, jobs in stages.items() if stage != LR_STAGE for job in jobs]
+    spec = plan["tasks"][task]
+    search = spec.get("lr_search")
+    main = [job for stage, jobs in stages.items() if stage != search for job in jobs]
     runs = [load_run(job.directory) for job in main if job.directory.exists()]
-    if not runs:
-        print("no job has started yet: nothing to report")
+    study = rr.StudyRuns.load(runs, spec["settings"])
+    if study.frame.empty:
+        print("no job has completed yet: nothing to report")
         return
-    report = aggregate(runs, metric="test/acc", by=GROUP_BY[task], mode="max")
-    report.print(root=root)
-    report.table.to_csv(root / "report.csv", index=False)
-    not_started = [job for job in main if not job.directory.exists()]
-    text = report.markdown(root=root)
-    if task == "mqar":  # one row per attention, one column per (L, D): the headline view
-        text = wide_table(report.table) + "\n\n" + text
-    if not_started:
-        text += f"\nNot started: {len(not_started)} job(s) (python -m longseq.report.recall_study {task}).\n"
-    (root / "report.md").write_text(text)
-    table = report.table
-    if task == "needle":  # the needle's figure is accuracy by depth: one aggregate per depth bucket
-        table = by_bucket(runs, "test/acc_depth/", GROUP_BY[task], "depth")
-        table.to_csv(root / "report_by_depth.csv", index=False)
-    path = draw_figure(task, table, root / f"recall_{task}.png")
-    if path is not None and figure is not None:
-        figure.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, figure)
-    print(f"wrote {root / 'report.md'}, {root / 'report.csv'}" + (f", {path}" if path else ""))
+    arms = list(dict.fromkeys(job.arm for job in main))
+    kind = spec["breakdown"]
+    sections = [f"# Recall study: {task}\n",
+                "Test accuracy, mean ± half-width of the 95 % t interval (seeds); the guessing floor and the controls "
+                "of every setting (conf/recall/plan.yaml) below the arms; a setting whose controls fail is not "
+                "trained.\n",
+                rr.main_table(study, plan["controls"], kind, arms),
+                "\n## Where the answers come from\n",
+                "Share of answers that are one of the example's candidates / accuracy among those (means over "
+                "seeds).\n",
+                rr.answers_table(study, arms),
+                "\n## Steps trained\n",
+                "Mean over seeds: where early stopping (or the cap, conf/recall/study.yaml) ended the runs.\n",
+                rr.steps_table(study, arms)]
+    if search in stages:
+        sections += ["\n## Learning-rate search\n", lr_search_table(stages[search], plan)]
+    not_done = [job for job in main if job.status() != COMPLETED]
+    if not_done:
+        sections.append(f"\nNot completed: {len(not_done)} job(s) "
+                        f"(python -m longseq.report.recall_study {task} --status).")
+    (root / "report.md").write_text("\n".join(sections) + "\n")
+    rr.summary(study).to_csv(root / "accuracy.csv", index=False)
+    breakdown, curves = rr.breakdown_frame(study, kind), rr.curves_frame(study)
+    breakdown.to_csv(root / f"by_{kind}.csv", index=False)
+    curves.to_csv(root / "curves.csv", index=False)
+    drawn = [rr.draw_accuracy(study, root / "accuracy.png"),
+             rr.draw_breakdown(study, breakdown, kind, root / f"by_{kind}.png"),
+             rr.draw_curves(study, curves, root / "curves.png")]
+    for path in filter(None, drawn):
+        if figures is not None:
+            figures.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, figures / f"recall_{task}_{path.name}")
+    print(f"wrote {root / 'report.md'} and its CSV files and figures")
 
 
-def wide_table(table) -> str:
-    """Markdown: one row per attention (best mean first), one column per (L, D), cells ``mean ± std (n)`` of
-    ``longseq.report``'s aggregate (``mean`` alone for one seed)."""
+def lr_search_table(jobs: list[Job], plan: dict) -> str:
+    """Markdown: val/acc_best per searched arm and rate, and whether the rule holds."""
     import pandas as pd
 
     from longseq.report.table import markdown_table
 
-    table = table.assign(L=table["task.seq_len"].astype(int), D=table["task.num_pairs"].astype(int))
-    columns = sorted({(L, D) for L, D in zip(table["L"], table["D"])})
-    order = table.groupby("attention")["mean"].mean().sort_values(ascending=False).index
-    rows = []
-    for attention in order:
-        cells = {(r.L, r.D): (f"{r.mean:.3f}" if r.n < 2 else f"{r.mean:.3f} ± {r.std:.3f} ({r.n})")
-                 for r in table[table["attention"] == attention].itertuples()}
-        rows.append([attention, *(cells.get(c, "") for c in columns)])
-    return markdown_table(pd.DataFrame(rows, columns=["attention", *(f"L = {L}, D = {D}" for L, D in columns)]))
-
-
-def by_bucket(runs: list, prefix: str, by: list[str], column: str):
-    """``longseq.report``'s mean ± std over seeds of every ``<prefix><bucket>`` metric, stacked with a
-    ``column`` naming the bucket (e.g. the needle's depth)."""
-    import pandas as pd
-
-    from longseq.report.table import aggregate
-
-    keys = sorted({k for run in runs for k in run.metrics if k.startswith(prefix)})
-    parts = [aggregate(runs, metric=k, by=by, mode="max").table.assign(**{column: k[len(prefix):]}) for k in keys]
-    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=[*by, column, "mean", "std"])
-
-
-def draw_figure(task: str, table, path: Path) -> Path | None:
-    """MQAR: test accuracy against D, one panel per L, one line per attention (error bars: std over seeds).
-    Needle: accuracy against the needle's depth, one panel per L, one line per attention (``by_bucket``'s
-    table). None when the table is empty."""
-    if not len(table):
-        return None
-    import matplotlib.pyplot as plt
-
-    from longseq.bench.report import curve_styles
-
-    table = table.copy()
-    table["L"] = table["task.seq_len"].astype(int)
-    lengths = sorted(table["L"].unique())
-    styles = curve_styles(sorted(table["attention"].unique()), ["test"])  # the bench plot's: a hue per family
-    fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths), 4.2), squeeze=False, sharey=True)
-    for ax, length in zip(axes[0], lengths):
-        part = table[table["L"] == length]
-        x = "task.num_pairs" if task == "mqar" else "depth"
-        part = part.assign(x=part[x].astype(float))
-        for attention, rows in part.groupby("attention", sort=True):
-            rows = rows.sort_values("x")
-            ax.errorbar(rows["x"], rows["mean"], yerr=rows["std"].fillna(0), label=attention, capsize=2,
-                        **styles[attention, "test"])
-        if task == "mqar":
-            ax.set_xscale("log", base=2)
-        ax.set_xlabel("key-value pairs D" if task == "mqar" else "needle depth (fraction of the haystack)")
-        ax.set_title(f"{task}, L = {length}")
-        ax.set_ylim(0, 1.02)
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("test accuracy (question positions)")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    results = search_results(jobs)
+    if not results:
+        return "(no search job has completed)"
+    rates = sorted({lr for r in results.values() for lr in r})
+    rows = [[arm, *(f"{results[arm][lr][0]:.3f}" if lr in results[arm] else "" for lr in rates)] for arm in results]
+    rule = float(compose_stage(jobs[0].stage).recall_lr.rule)
+    holds, lines = rule_verdict(jobs, rule, plan["lr_rule_tolerance"])
+    text = markdown_table(pd.DataFrame(rows, columns=["arm", *(f"lr {lr:g}" for lr in rates)]))
+    verdict = "holds" if holds else "does not hold"
+    return (text + f"\n\nThe rule (lr {rule:g} for every arm not searched) {verdict} within "
+            f"{plan['lr_rule_tolerance']} of each searched arm's best: " + "; ".join(lines) + ".")
 
 
 def hold_study_lock(root: Path):
@@ -317,48 +412,67 @@ def hold_study_lock(root: Path):
     return handle
 
 
+def selected(job: Job, only: str) -> bool:
+    """Whether ``job`` is among ``--only``'s entries: a bare name is an arm, ``key=value`` any swept setting; a job
+    is kept when, for every key the entries name that its stage sweeps, its value is one of those listed."""
+    wanted: dict[str, set[str]] = {}
+    for entry in (e.strip() for e in only.split(",") if e.strip()):
+        key, value = entry.split("=", 1) if "=" in entry else (ARM_GROUP, entry)
+        wanted.setdefault(key.strip(), set()).add(value.strip())
+    values = job.values
+    return all(values[key] in allowed for key, allowed in wanted.items() if key in values)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m longseq.report.recall_study",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("task", choices=sorted(STAGES))
+    parser.add_argument("task", choices=sorted(load_plan()["tasks"]))
     parser.add_argument("overrides", nargs="*", help="Hydra overrides added to every job (smoke runs: "
                                                      "trainer.max_steps=5; use another --root for them)")
     parser.add_argument("--root", type=Path, help="study folder (default logs/recall_<task>/study)")
-    parser.add_argument("--jobs", type=int, default=1, help="jobs at a time (2 on the 2-core machine)")
-    parser.add_argument("--status", action="store_true", help="list done / failed / left and exit")
-    parser.add_argument("--report", action="store_true", help="only write the table and figure of what is done")
+    parser.add_argument("--jobs", type=int, help="jobs at a time (default: plan.yaml's, 2 on the 2-core machine)")
+    parser.add_argument("--plan", action="store_true", help="list the stages, their jobs and the budget; exit")
+    parser.add_argument("--status", action="store_true", help="list done / failed / left and the time spent; exit")
+    parser.add_argument("--report", action="store_true", help="only write the tables and figures of what is done")
     parser.add_argument("--retry-failed", action="store_true", help="run failed jobs again")
-    parser.add_argument("--figure", type=Path, help="also copy the figure here (e.g. docs/recall_mqar.png)")
-    parser.add_argument("--lr-table", type=Path, default=PROJECT_ROOT / "logs" / "recall_mqar" / "study" / "lr_table.yaml",
-                        help="needle: the MQAR search's table (default: the MQAR study's default root)")
-    parser.add_argument("--only", help="comma-separated attentions and/or key=value settings to run, e.g. "
-                                       "full,local or task.seq_len=256 (default: every job of the sweep)")
+    parser.add_argument("--budget-hours", type=float, help="override the task's budget_hours of plan.yaml")
+    parser.add_argument("--figures", type=Path, help="also copy the figures here (e.g. docs/)")
+    parser.add_argument("--only", help="comma-separated arms and/or key=value settings to run, e.g. "
+                                       "full,local_long or task.seq_len=256 (default: every job of the sweep)")
     return parser.parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    plan = load_plan()
+    spec = plan["tasks"][args.task]
     root = (args.root or PROJECT_ROOT / "logs" / f"recall_{args.task}" / "study").resolve()
     root.mkdir(parents=True, exist_ok=True)
-    stages = {stage: stage_jobs(stage, root) for stage in STAGES[args.task]}
-    if not (args.status or args.report):
-        lock = hold_study_lock(root)  # noqa: F841 - held until the process exits
+    controls = [*plan["controls"]["positive"], plan["controls"]["short"]]
+    stages = {stage: stage_jobs(stage, root, controls, plan.get("one_seed", [])) for stage in spec["stages"]}
     if args.only:
         stages = {s: [j for j in jobs if selected(j, args.only)] for s, jobs in stages.items()}
+    budget = Budget(root, args.budget_hours if args.budget_hours is not None else spec["budget_hours"])
+    if args.plan:
+        print_plan(args.task, stages, plan)
+        return 0
     if args.status:
-        left = print_status(stages)
+        left = print_status(stages, budget)
         print(f"{left} job(s) left; run: python -m longseq.report.recall_study {args.task}")
         return 0
     if not args.report:
+        lock = hold_study_lock(root)  # noqa: F841 - held until the process exits
+        signal.signal(signal.SIGTERM, stop_jobs)
         for stage, jobs in stages.items():
-            if stage != LR_STAGE:
-                table = lr_table_for(args.task, root, stages, args.lr_table)
+            if stage != spec.get("lr_search"):
+                table = lr_table_for(args.task, root, stages, plan)
                 for job in jobs:
-                    attention = dict(o.split("=", 1) for o in job.overrides)["attention"]
-                    job.extra = [f"{LR_KEY}={table[attention]}"] if attention in table else []
-            run_stage(jobs, args.jobs, args.retry_failed, root / "console" / stage.split("/")[-1], args.overrides)
-        print_status(stages)
-    write_report(args.task, root, stages, args.figure)
+                    job.extra = [f"{LR_KEY}={table[job.arm]}"] if job.arm in table else []
+            run_stage(jobs, args.jobs or plan["jobs"], args.retry_failed, root / "console" / stage.split("/")[-1],
+                      args.overrides, budget)
+        budget.save()
+        print_status(stages, budget)
+    write_report(args.task, root, stages, plan, args.figures)
     return 0
 
 

@@ -5,10 +5,12 @@ Batches are ``(inputs, labels, buckets)`` of shape ``(B, L)`` from ``longseq.dat
 Only the question positions go through the output layer (with V = 8,192 the full ``(B, L, V)`` logits would
 cost more than the two-layer model), so loss and accuracy count questions only.
 
-Logs ``train/loss``, ``train/acc``, ``val/loss``, ``val/acc``, ``val/acc_best``, ``test/loss``, ``test/acc`` and
-the breakdown ``<split>/acc_<kind>/<bucket>`` (``kind``: ``distance`` for MQAR, ``depth`` for the needle,
-``index`` for selective copy; a bucket without a question that epoch is not logged). At the end of every
-validation and of the test the breakdown is also written to ``<run>/recall/<split>_by_<kind>[_step<N>].csv``
+Logs ``train/loss``, ``train/acc``, ``val/loss``, ``val/acc``, ``val/acc_best``, ``test/loss``, ``test/acc``, the
+breakdown ``<split>/acc_<kind>/<bucket>`` (``kind``: ``distance`` for MQAR, ``depth`` for the needle, ``index`` for
+selective copy; a bucket without a question that epoch is not logged), and where the answers come from:
+``<split>/in_example`` (the share of answers that are one of the example's candidates, e.g. MQAR's values) and
+``<split>/in_example_acc`` (how many of those are right: 1/D for a model that guesses among the values). At the end
+of every validation and of the test the breakdown is also written to ``<run>/recall/<split>_by_<kind>[_step<N>].csv``
 and drawn to the matching ``.png``, which goes to every logger (TensorBoard image, W&B image, a copy in the
 CSV logger's folder), like the attention maps.
 """
@@ -62,6 +64,27 @@ class BucketAccuracy(Metric):
         return acc, self.total.clone()
 
 
+class InExampleAnswers(Metric):
+    """Where the answers come from: ``update(in_example (N,) bool, correct (N,) bool)`` per question;
+    ``compute()`` -> (share of answers that are one of the example's candidates, accuracy among those)."""
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        for name in ("total", "in_example", "correct_in_example"):
+            self.add_state(name, default=torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, in_example: torch.Tensor, correct: torch.Tensor) -> None:
+        self.total += in_example.numel()
+        self.in_example += in_example.sum()
+        self.correct_in_example += (in_example & correct).sum()
+
+    def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
+        share = self.in_example.float() / self.total.clamp(min=1).float()
+        return share, self.correct_in_example.float() / self.in_example.clamp(min=1).float()
+
+
 class RecallTask(SequenceTask):
     """A causal backbone trained and scored on the question positions of a recall task.
 
@@ -82,7 +105,11 @@ class RecallTask(SequenceTask):
         self.bucket_kind, self.bucket_names, self.task_name = made.bucket_kind, made.bucket_names(), name
         n = len(self.bucket_names)
         self.train_acc, self.val_acc, self.test_acc = BucketAccuracy(n), BucketAccuracy(n), BucketAccuracy(n)
+        self.val_answers, self.test_answers = InExampleAnswers(), InExampleAnswers()
         self.val_acc_best = MaxMetric()
+        is_answer = torch.zeros(made.vocab_size, dtype=torch.bool)
+        is_answer[torch.as_tensor(made.answer_ids)] = True
+        self.register_buffer("is_answer", is_answer, persistent=False)
 
     def accuracy(self, split: str) -> BucketAccuracy:
         return getattr(self, f"{split}_acc")
@@ -99,11 +126,15 @@ class RecallTask(SequenceTask):
         logits, asked = self.question_logits(inputs, labels)
         targets = labels[asked]
         loss = F.cross_entropy(logits.float(), targets)
-        correct, where = logits.argmax(-1) == targets, buckets[asked]
+        predicted = logits.argmax(-1)
+        correct, where = predicted == targets, buckets[asked]
         if split == "train":
             self.train_acc(correct, where)
         else:
             self.accuracy(split).update(correct, where)
+            rows = asked.nonzero()[:, 0]  # the example of each question
+            in_example = self.is_answer[predicted] & (inputs[rows] == predicted[:, None]).any(-1)
+            getattr(self, f"{split}_answers").update(in_example, correct)
         return loss
 
     def training_step(self, batch, batch_idx):
@@ -125,6 +156,11 @@ class RecallTask(SequenceTask):
         per_bucket, counts = metric.per_bucket()
         metric.reset()
         self.log(f"{split}/acc", acc, prog_bar=True, sync_dist=False)
+        answers = getattr(self, f"{split}_answers")
+        share, precision = answers.compute()
+        answers.reset()
+        self.log(f"{split}/in_example", share, sync_dist=False)
+        self.log(f"{split}/in_example_acc", precision, sync_dist=False)
         for name, value, count in zip(self.bucket_names, per_bucket.tolist(), counts.tolist()):
             if count:
                 self.log(f"{split}/acc_{self.bucket_kind}/{name}", value, sync_dist=False)
@@ -135,6 +171,7 @@ class RecallTask(SequenceTask):
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking:
             self.val_acc.reset()
+            self.val_answers.reset()
             return
         self.val_acc_best(self.log_split("val"))
         self.log("val/acc_best", self.val_acc_best.compute(), prog_bar=True)

@@ -28,6 +28,10 @@ def register_resolvers() -> None:
         from longseq.utils.rundir import run_suffix
 
         OmegaConf.register_new_resolver("run_suffix", run_suffix, use_cache=True)
+    if not OmegaConf.has_resolver("attention_presets"):  # model.attention_presets: the hybrid plan's presets
+        from longseq.models.layer_plan import attention_presets
+
+        OmegaConf.register_new_resolver("attention_presets", attention_presets)
 
 
 def print_config_tree(cfg: DictConfig, save_to: Path | None = None, order: Sequence[str] = PRINT_ORDER,
