@@ -6,6 +6,7 @@ or ``evaluate``. Both return a dict of final metrics.
 
 from __future__ import annotations
 
+import csv
 import logging
 import math
 import re
@@ -15,7 +16,7 @@ from typing import Any
 import hydra
 import lightning as L
 import torch
-from lightning.pytorch.loggers import Logger, WandbLogger
+from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torchmetrics import Metric
@@ -24,7 +25,7 @@ from longseq.attention.ops.dispatch import attention_backends, backend_summary
 from longseq.callbacks.nonfinite import resume_advice
 from longseq.callbacks.progress import console_callbacks
 from longseq.report.outcome import records_run_outcome
-from longseq.utils.checkpoint import AtomicCheckpointIO, check_model_matches, read_checkpoint
+from longseq.utils.checkpoint import AtomicCheckpointIO, check_model_matches, checkpoint_step, read_checkpoint
 from longseq.utils.config import (
     check_batch_sizes,
     check_task_geometry,
@@ -188,8 +189,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     try:
         for logger in loggers:
             logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
-            if isinstance(logger, WandbLogger):
-                logger.experiment.config.update({"output_dir": str(output_dir)}, allow_val_change=True)
+            if isinstance(logger, WandbLogger):  # log_hyperparams is rank-zero only: other DDP ranks have no W&B run
+                logger.log_hyperparams({"output_dir": str(output_dir)})
         if trained:
             trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -258,7 +259,31 @@ def evaluation_trainer(cfg: DictConfig, trainer: L.Trainer, loggers: list[Logger
     if "sync_batchnorm" in cfg.trainer:
         single["sync_batchnorm"] = False
     node = OmegaConf.merge(OmegaConf.to_container(cfg.trainer, resolve=True), single)
-    return build_trainer(OmegaConf.create({"trainer": node}), [], loggers)
+    for logger in loggers:
+        if isinstance(logger, CSVLogger):
+            append_to_rank_zero_csv(logger)
+    evaluator = build_trainer(OmegaConf.create({"trainer": node}), [], loggers)
+    # Lightning logs evaluation metrics at the trainer's count of optimizer steps, which a fresh trainer starts at 0;
+    # the final rows belong at the step the spawned fit ended (the one saved in last.ckpt).
+    last = last_checkpoint(trainer)
+    evaluator.fit_loop.epoch_loop._batches_that_stepped = max(0, checkpoint_step(last)) if last else 0
+    return evaluator
+
+
+def append_to_rank_zero_csv(logger: CSVLogger) -> None:
+    """Let this process's CSV logger append to the ``metrics.csv`` that spawned rank 0 wrote.
+
+    Its writer was made before the fit and has seen none of the ranks' columns; Lightning rewrites the file with
+    the writer's own header when a new column appears, which fails on the ranks' rows (and truncated the file).
+    Knowing the header on disk, the writer keeps every training row and widens the header instead.
+    """
+    writer = logger.experiment
+    path = Path(writer.metrics_file_path)
+    if not path.is_file():
+        return
+    with path.open(newline="") as f:
+        header = next(csv.reader(f), [])
+    writer.metrics_keys = sorted(set(writer.metrics_keys) | set(header))
 
 
 def validate_final_weights(cfg: DictConfig, trainer: L.Trainer, evaluator: L.Trainer, module: L.LightningModule,

@@ -8,8 +8,8 @@ a multirun job ends with one of
 - ``{"status": "interrupted", ...}`` — SIGTERM (preemption); resume from ``checkpoints/interrupted.ckpt``;
 
 and a job directory without ``metrics.json`` is still running or was killed (``kill -9``, out of memory):
-``longseq.report`` lists it as unfinished. This module imports nothing from the runner, so the runner can
-import it.
+``longseq.report`` lists it as unfinished. Only global rank zero writes it. This module imports nothing from the
+runner, so the runner can import it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+from longseq.utils.rundir import rank_zero
 
 METRICS_FILE = "metrics.json"
 COMPLETED, FAILED, INTERRUPTED, UNFINISHED = "completed", "failed", "interrupted", "unfinished"
@@ -65,6 +67,8 @@ def records_run_outcome(train: Callable[[Any], dict[str, Any]]) -> Callable[[Any
     @functools.wraps(train)
     def wrapper(cfg: Any) -> dict[str, Any]:
         output_dir = Path(cfg.paths.output_dir)
+        if not rank_zero():  # a DDP rank that Lightning launched again shares its rank 0's run directory and record
+            return train(cfg)
         try:
             metrics = train(cfg)
         except SystemExit as stop:
