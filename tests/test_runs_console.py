@@ -16,6 +16,7 @@ from conftest import ROOT, compose_config
 from longseq import runner
 from longseq.callbacks.progress import StepProgressBar
 from longseq.runner import train
+from longseq.utils.resume import WANDB_RUN_DIR
 
 
 def test_step_progress_bar_counts_optimizer_steps_to_max_steps(make_cfg):
@@ -139,9 +140,9 @@ def test_bench_warns_when_another_process_keeps_the_cpu_busy():
 
 
 def test_wandb_run_id_is_read_from_run_dirs_with_a_same_second_suffix():
-    assert runner.WANDB_RUN_DIR.match("offline-run-20261123_211251-21ava8er-1").group(1) == "21ava8er"
-    assert runner.WANDB_RUN_DIR.match("run-20261123_211251-abc123").group(1) == "abc123"
-    assert runner.WANDB_RUN_DIR.match("latest-run") is None
+    assert WANDB_RUN_DIR.match("offline-run-20261123_211251-21ava8er-1").group(1) == "21ava8er"
+    assert WANDB_RUN_DIR.match("run-20261123_211251-abc123").group(1) == "abc123"
+    assert WANDB_RUN_DIR.match("latest-run") is None
 
 
 # README commands on the default task, in-process (one torch import), at a tiny size and a few steps: the overrides

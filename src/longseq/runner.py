@@ -9,7 +9,6 @@ from __future__ import annotations
 import csv
 import logging
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +17,15 @@ import lightning as L
 import torch
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 from torchmetrics import Metric
 
 from longseq.attention.ops.dispatch import attention_backends, backend_summary
 from longseq.callbacks.nonfinite import resume_advice
 from longseq.callbacks.progress import console_callbacks
 from longseq.report.outcome import records_run_outcome
-from longseq.utils.checkpoint import AtomicCheckpointIO, check_model_matches, checkpoint_step, read_checkpoint
+from longseq.utils.build import build_datamodule, build_module
+from longseq.utils.checkpoint import AtomicCheckpointIO, check_ckpt_path, checkpoint_step, read_checkpoint
 from longseq.utils.config import (
     check_batch_sizes,
     check_task_geometry,
@@ -35,34 +35,16 @@ from longseq.utils.config import (
 )
 from longseq.utils.console import quiet_lightning
 from longseq.utils.errors import ConfigError, NonFiniteError
+from longseq.utils.resume import continue_loggers, resuming_in_place
+from longseq.utils.rundir import RESOLVED_CONFIG
 
 log = logging.getLogger(__name__)
-
-RESOLVED_CONFIG = "config_resolved.yaml"
-# W&B run directories: [offline-]run-<YYYYMMDD_HHMMSS>-<id>, plus "-<n>" when a resumed run starts in the same second.
-WANDB_RUN_DIR = re.compile(r"^(?:offline-)?run-\d{8}_\d{6}-([a-z0-9]+)")
-
 
 def instantiate_group(group: DictConfig | None) -> list[Any]:
     """Instantiate every ``_target_`` entry of a callbacks/logger group (None or empty -> [])."""
     if not group:
         return []
     return [hydra.utils.instantiate(node) for node in group.values() if node and "_target_" in node]
-
-
-def build_module(cfg: DictConfig) -> L.LightningModule:
-    """The task's LightningModule with the backbone, attention, optimizer and schedule from ``cfg``."""
-    plain = {k: OmegaConf.to_container(cfg[k], resolve=True) if cfg.get(k) else None
-             for k in ("model", "attention", "optimizer", "scheduler")}
-    spec = OmegaConf.to_container(cfg.task.module, resolve=True)
-    module_cls = hydra.utils.get_class(spec.pop("_target_"))
-    # Called directly (not through hydra.utils.instantiate) so configuration errors surface with
-    # their own type and message instead of an InstantiationException wrapper.
-    return module_cls(**spec, **plain)
-
-
-def build_datamodule(cfg: DictConfig) -> L.LightningDataModule:
-    return hydra.utils.instantiate(cfg.task.data)
 
 
 def build_trainer(cfg: DictConfig, callbacks: list, loggers: list[Logger]) -> L.Trainer:
@@ -102,60 +84,6 @@ def metric_value(metrics: dict[str, Any], name: str | None, trained: bool = True
         raise KeyError(f"optimized_metric={name!r} was not logged; available: {sorted(metrics)}")
     value = float(metrics[name])
     return value if math.isfinite(value) else float("inf")
-
-
-def check_ckpt_path(cfg: DictConfig, key: str = "ckpt_path") -> None:
-    """``cfg.ckpt_path`` exists, loads and fits the composed model (built on the meta device: no memory).
-
-    Raises ``ConfigError`` naming the file and, on a mismatch, the differing parameter keys and the producing
-    run's ``.hydra/overrides.yaml``. Nothing is written; ``train.py`` calls it before Hydra makes a run dir.
-    """
-    path = cfg.get(key)
-    if not path:
-        return
-    state = read_checkpoint(path, key)
-    try:
-        with torch.device("meta"):
-            module = build_module(cfg)
-    except ConfigError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a module that cannot be built without data: Lightning checks later
-        log.debug(f"ckpt_path: key check skipped, the model does not build on the meta device ({exc})")
-        return
-    check_model_matches(state, module, path, key)
-
-
-def resuming_in_place(cfg: DictConfig) -> bool:
-    """True when ``cfg.ckpt_path`` lives in ``<output_dir>/checkpoints/`` (train.py points Hydra there)."""
-    ckpt = cfg.get("ckpt_path")
-    return bool(ckpt) and Path(ckpt).resolve().parent == (Path(cfg.paths.output_dir) / "checkpoints").resolve()
-
-
-def continue_loggers(cfg: DictConfig, output_dir: Path) -> None:
-    """Point the loggers of a run resumed in place at their earlier state, each by its own convention.
-
-    W&B: the same run, resumed by id (read from ``<run>/wandb/``). CSV: Lightning's CSV logger truncates an
-    existing ``metrics.csv``, so the continuation gets its own version ``csv/resume<N>/``. TensorBoard:
-    appends a new event file to the same directory (its convention; nothing to do).
-    """
-    loggers = cfg.get("logger") or {}
-    with open_dict(cfg):
-        for name, node in loggers.items():
-            target = str((node or {}).get("_target_", ""))
-            if target.endswith("WandbLogger") and not node.get("id"):
-                runs = sorted((output_dir / "wandb").glob("*run-*-*"), key=lambda p: p.stat().st_mtime)
-                ids = [m.group(1) for m in map(WANDB_RUN_DIR.match, (p.name for p in runs)) if m]
-                if ids:
-                    node.id = ids[-1]
-                    node.resume = "allow"
-                    log.info(f"resuming W&B run {node.id}")
-            elif target.endswith("CSVLogger"):
-                version = str(node.get("version") or "")
-                log_dir = Path(node.save_dir) / str(node.name) / version
-                if (log_dir / "metrics.csv").exists():
-                    resumed = f"resume{1 + sum(1 for _ in log_dir.glob('resume*'))}"
-                    node.version = f"{version}/{resumed}" if version else resumed
-                    log.info(f"{name} logger: the continuation logs to {log_dir / resumed}")
 
 
 @records_run_outcome  # writes <run>/metrics.json (final metrics + completed/failed) for longseq.report

@@ -18,8 +18,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from longseq.report.outcome import COMPLETED, METRICS_FILE, UNFINISHED
-
-RESOLVED_CONFIG = "config_resolved.yaml"  # the name longseq.runner writes (kept in one place there too)
+from longseq.utils.rundir import RESOLVED_CONFIG
 
 
 @dataclass

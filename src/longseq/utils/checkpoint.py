@@ -1,12 +1,13 @@
 """Checkpoint files: atomic writes, a readable check of ``ckpt_path``, and a match against the composed model.
 
 One home for "is this checkpoint usable?": ``train.py`` (before the run directory exists), ``runner.train``
-and ``eval.py`` all call ``read_checkpoint`` / ``check_model_matches``; ``resolve_ckpt_path`` turns a directory
-given as ``ckpt_path`` into its checkpoint.
+and ``eval.py`` all call ``check_ckpt_path`` / ``read_checkpoint`` / ``check_model_matches``; ``resolve_ckpt_path``
+turns a directory given as ``ckpt_path`` into its checkpoint.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import zipfile
@@ -15,8 +16,12 @@ from typing import Any
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from omegaconf import DictConfig
 
+from longseq.utils.build import build_module
 from longseq.utils.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
 
@@ -162,3 +167,24 @@ def check_model_matches(state: dict[str, Any], model: torch.nn.Module, ckpt_path
              "model/attention/task overrides that differ" if run
              else "; pass the model/attention/task overrides it was trained with")
     raise ConfigError(key, f"{ckpt_path} does not match the composed model ({'; '.join(parts)}){where}")
+
+
+def check_ckpt_path(cfg: DictConfig, key: str = "ckpt_path") -> None:
+    """``cfg.ckpt_path`` exists, loads and fits the composed model (built on the meta device: no memory).
+
+    Raises ``ConfigError`` naming the file and, on a mismatch, the differing parameter keys and the producing
+    run's ``.hydra/overrides.yaml``. Nothing is written; ``train.py`` calls it before Hydra makes a run dir.
+    """
+    path = cfg.get(key)
+    if not path:
+        return
+    state = read_checkpoint(path, key)
+    try:
+        with torch.device("meta"):
+            module = build_module(cfg)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a module that cannot be built without data: Lightning checks later
+        log.debug(f"ckpt_path: key check skipped, the model does not build on the meta device ({exc})")
+        return
+    check_model_matches(state, module, path, key)

@@ -290,6 +290,23 @@ def composition_error(exc: Exception, overrides: Sequence[str], compose: Any = N
     return None
 
 
+def compose_for_check(config_dir: Path, config_name: str, overrides: list[str]):
+    """The job config ``overrides`` compose to (Hydra's own keys left out), for checks before the run starts."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    job_overrides = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(version_base="1.3", config_dir=str(config_dir)):
+            cfg = compose(config_name=config_name, overrides=job_overrides, return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        return cfg
+    finally:
+        GlobalHydra.instance().clear()
+
+
 def check_composition(argv: list[str], config_dir: Path, config_name: str = "train") -> None:
     """Compose the command's config once before Hydra does, so a bad override (unknown key or option, an ambiguous
     or unparsable value) prints the one ``error: <key>: <message>`` line and exits 1 like every other error.
@@ -299,7 +316,6 @@ def check_composition(argv: list[str], config_dir: Path, config_name: str = "tra
     from hydra._internal.utils import get_args_parser
 
     from longseq.utils.console import full_errors, report_and_exit
-    from longseq.utils.resume import compose_for_check
 
     args, _ = get_args_parser().parse_known_args(argv[1:])
     if args.multirun or args.cfg or args.info or args.help or args.hydra_help or args.shell_completion or full_errors():

@@ -5,6 +5,10 @@
   the checkpoint against the composed model, and points Hydra at ``<run>``.
 - ``resume_requeued`` (inside the job): a launcher job started again in a directory that already holds its own
   checkpoints (a SLURM requeue after preemption or time-out, a resubmitted job) resumes from the newest one.
+- ``resuming_in_place`` / ``continue_loggers`` (``runner.train``): a run resumed in its own directory continues its
+  loggers there (the same W&B run, a new CSV version, TensorBoard appending).
+
+It sits below ``runner`` (which imports it) and imports nothing above ``longseq.utils``.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -19,18 +24,22 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from longseq.utils.checkpoint import (
     OVERRIDES_FILE,
+    check_ckpt_path,
     checkpoint_step,
     newest_checkpoint,
     resolve_ckpt_path,
     run_dir_of,
 )
+from longseq.utils.config import compose_for_check
 from longseq.utils.console import full_errors, report_and_exit
 from longseq.utils.errors import ConfigError
-from longseq.utils.rundir import describe, live_holder, rank_zero
+from longseq.utils.rundir import RESOLVED_CONFIG, describe, live_holder, rank_zero
 
 log = logging.getLogger(__name__)
 
 NOT_REPLAYED = ("ckpt_path",)  # the new command names its own checkpoint
+# W&B run directories: [offline-]run-<YYYYMMDD_HHMMSS>-<id>, plus "-<n>" when a resumed run starts in the same second.
+WANDB_RUN_DIR = re.compile(r"^(?:offline-)?run-\d{8}_\d{6}-([a-z0-9]+)")
 
 
 def override_value(overrides: list[str], key: str) -> str | None:
@@ -41,23 +50,6 @@ def override_value(overrides: list[str], key: str) -> str | None:
         if sep and name.lstrip("+") == key:
             value = rest
     return value
-
-
-def compose_for_check(config_dir: Path, config_name: str, overrides: list[str]):
-    """The job config ``overrides`` compose to (Hydra's own keys left out), for checks before the run starts."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
-
-    job_overrides = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(version_base="1.3", config_dir=str(config_dir)):
-            cfg = compose(config_name=config_name, overrides=job_overrides, return_hydra_config=True)
-        HydraConfig.instance().set_config(cfg)
-        return cfg
-    finally:
-        GlobalHydra.instance().clear()
 
 
 def saved_overrides(run: Path) -> tuple[Path, list[str]]:
@@ -154,9 +146,7 @@ def preflight(argv: list[str], config_dir: Path, config_name: str = "train") -> 
 
 
 def check_composed(config_dir: Path, config_name: str, overrides: list[str]) -> None:
-    """``runner.check_ckpt_path`` on the config ``overrides`` compose to (``ConfigError`` passes through)."""
-    from longseq.runner import check_ckpt_path
-
+    """``check_ckpt_path`` on the config ``overrides`` compose to (``ConfigError`` passes through)."""
     try:
         cfg = compose_for_check(config_dir, config_name, overrides)
     except Exception:  # noqa: BLE001 - a composition error is reported by the real run, with its context
@@ -188,8 +178,6 @@ def resume_requeued(cfg: DictConfig, output_dir: Path, multirun: bool) -> DictCo
     same config (its ``config_resolved.yaml``); otherwise its checkpoints are left alone with a warning and the
     job starts afresh. Returns ``cfg`` (changed in place).
     """
-    from longseq.runner import RESOLVED_CONFIG
-
     requeued = int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
     if cfg.get("ckpt_path") or not (multirun or requeued) or not cfg.get("train", True):
         return cfg
@@ -206,3 +194,36 @@ def resume_requeued(cfg: DictConfig, output_dir: Path, multirun: bool) -> DictCo
     log.info(message)
     print(message, file=sys.stderr)
     return cfg
+
+
+def resuming_in_place(cfg: DictConfig) -> bool:
+    """True when ``cfg.ckpt_path`` lives in ``<output_dir>/checkpoints/`` (train.py points Hydra there)."""
+    ckpt = cfg.get("ckpt_path")
+    return bool(ckpt) and Path(ckpt).resolve().parent == (Path(cfg.paths.output_dir) / "checkpoints").resolve()
+
+
+def continue_loggers(cfg: DictConfig, output_dir: Path) -> None:
+    """Point the loggers of a run resumed in place at their earlier state, each by its own convention.
+
+    W&B: the same run, resumed by id (read from ``<run>/wandb/``). CSV: Lightning's CSV logger truncates an
+    existing ``metrics.csv``, so the continuation gets its own version ``csv/resume<N>/``. TensorBoard:
+    appends a new event file to the same directory (its convention; nothing to do).
+    """
+    loggers = cfg.get("logger") or {}
+    with open_dict(cfg):
+        for name, node in loggers.items():
+            target = str((node or {}).get("_target_", ""))
+            if target.endswith("WandbLogger") and not node.get("id"):
+                runs = sorted((output_dir / "wandb").glob("*run-*-*"), key=lambda p: p.stat().st_mtime)
+                ids = [m.group(1) for m in map(WANDB_RUN_DIR.match, (p.name for p in runs)) if m]
+                if ids:
+                    node.id = ids[-1]
+                    node.resume = "allow"
+                    log.info(f"resuming W&B run {node.id}")
+            elif target.endswith("CSVLogger"):
+                version = str(node.get("version") or "")
+                log_dir = Path(node.save_dir) / str(node.name) / version
+                if (log_dir / "metrics.csv").exists():
+                    resumed = f"resume{1 + sum(1 for _ in log_dir.glob('resume*'))}"
+                    node.version = f"{version}/{resumed}" if version else resumed
+                    log.info(f"{name} logger: the continuation logs to {log_dir / resumed}")

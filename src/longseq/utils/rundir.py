@@ -36,6 +36,7 @@ from longseq.utils.errors import ConfigError
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
+RESOLVED_CONFIG = "config_resolved.yaml"  # the run's resolved config: eval.py and resumes rebuild the run from it
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID")
 _SUFFIX: str | None = None
 _HELD: dict[Path, int] = {}  # directory -> file descriptor holding its flock (this process)
