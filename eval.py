@@ -15,7 +15,7 @@ os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parent))
 import hydra  # noqa: E402
 from omegaconf import DictConfig, open_dict  # noqa: E402
 
-from longseq.runner import check_eval_mode, evaluate, sample  # noqa: E402
+from longseq.runner import check_eval_config, check_eval_mode, evaluate, sample  # noqa: E402
 from longseq.utils.checkpoint import resolve_ckpt_path  # noqa: E402
 from longseq.utils.config import check_composition, register_resolvers  # noqa: E402
 from longseq.utils.console import full_errors, report_and_exit  # noqa: E402
@@ -26,6 +26,7 @@ register_resolvers()
 @hydra.main(version_base="1.3", config_path="conf", config_name="eval")
 def main(cfg: DictConfig) -> None:
     try:
+        check_eval_config(cfg)
         with open_dict(cfg):  # a run or checkpoints/ directory stands for its best.ckpt (else last.ckpt)
             cfg.ckpt_path = str(resolve_ckpt_path(cfg.ckpt_path))
         if check_eval_mode(cfg.get("mode", "evaluate")) == "sample":
@@ -42,5 +43,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    check_composition(sys.argv, Path(__file__).resolve().parent / "conf", "eval")  # a bad override: one error: line
+    # a bad override or value: one error: line, before Hydra makes the run directory
+    check_composition(sys.argv, Path(__file__).resolve().parent / "conf", "eval", check=check_eval_config)
     main()

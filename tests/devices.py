@@ -8,3 +8,4 @@ import torch
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 requires_multi_gpu = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs >= 2 CUDA devices")
+without_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks how a machine without a GPU refuses one")

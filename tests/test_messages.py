@@ -15,6 +15,7 @@ import sys
 import lightning as L
 import pytest
 from conftest import ROOT, compose_config
+from devices import without_gpu
 
 from longseq.runner import train
 from longseq.utils.console import error_summary
@@ -194,3 +195,117 @@ def test_eval_composition_errors_name_the_key(capsys, monkeypatch):
         check_composition(["eval.py", "ckpt_path=x.ckpt", "splt=val"], CONF, "eval")
     assert capsys.readouterr().err.startswith("error: splt: not a key of this config (did you mean split? a new key "
                                               "needs +splt=val); the config has ckpt_path,")
+
+
+# --- bad inputs refused before the run directory exists (README: When things go wrong) --------------------------
+# Each is injected as a new user types it. train.py's pre-flight (resume.preflight -> config.check_run_config) and
+# eval.py's (config.check_composition -> runner.check_eval_config) run before Hydra makes a run directory: exit 1,
+# one error line naming the key, and nothing under paths.log_dir.
+TRAIN_REFUSALS = [
+    pytest.param(["trainer.devices=0"], "error: trainer.devices: expected a number of devices >= 1, -1 (all), 'auto' "
+                                        "or a list of device ids, got 0"),
+    pytest.param(["trainer=gpu"], "error: trainer.accelerator: 'gpu' asks for a device this machine does not have "
+                                  "(present: cpu); use trainer=cpu", marks=without_gpu),
+    pytest.param(["trainer.precision=bf17"], "error: trainer.precision: 'bf17' is not a precision Lightning knows; "
+                                             "valid: transformer-engine, transformer-engine-float16, 16-true, "
+                                             "16-mixed, bf16-true, bf16-mixed, 32-true, 64-true"),
+    pytest.param(["trainer.max_steps=-5"], "error: trainer.max_steps: expected an integer number of optimizer steps "
+                                           "(-1: no limit), got -5"),
+    pytest.param(["seed=abc"], "error: seed: expected an integer from 0 to 4294967295 (or null: unseeded), got 'abc'"),
+    pytest.param(["partition=axial"], "error: partition: attention=full takes no partition, so partition=axial would "
+                                      "be ignored"),
+    pytest.param(["trainer=ddp_cpu", "task.batch_size=3"], "error: task.batch_size: 3 (global batch) must be a "
+                                                           "positive multiple"),
+]
+
+
+def refusal(check, capsys) -> str:
+    """The console of a pre-flight that must refuse: exit 1, one ``error:`` line (returned), no traceback."""
+    with pytest.raises(SystemExit) as stop:
+        check()
+    assert stop.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = [text for text in err.splitlines() if text.startswith("error: ")]
+    return line
+
+
+@pytest.mark.parametrize("overrides,line", TRAIN_REFUSALS)
+def test_train_refuses_a_bad_value_before_the_run_directory_exists(overrides, line, tmp_path, capsys, monkeypatch):
+    from conftest import CONF
+
+    from longseq.utils.resume import preflight
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    logs = tmp_path / "logs"
+    assert refusal(lambda: preflight(["train.py", *overrides, f"paths.log_dir={logs}"], CONF, "train"),
+                   capsys).startswith(line)
+    assert not logs.exists()
+
+
+@pytest.mark.parametrize("overrides,line", [
+    (["split=train2"], "error: split: 'train2' is not valid; choose one of ('test', 'val')"),
+    ([], "error: ckpt_path: is required: python eval.py ckpt_path=<run>/checkpoints/best.ckpt"),
+    (["seed=abc"], "error: seed: expected an integer"),
+    (["trainer.precision=bf17"], "error: trainer.precision: 'bf17' is not a precision Lightning knows"),
+])
+def test_eval_refuses_a_bad_value_before_the_run_directory_exists(overrides, line, tmp_path, capsys, monkeypatch):
+    from conftest import CONF
+
+    from longseq.runner import check_eval_config
+    from longseq.utils.config import check_composition
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    ckpt = tmp_path / "last.ckpt"
+    ckpt.touch()
+    given = [f"ckpt_path={ckpt}"] if overrides else []
+    argv = ["eval.py", *given, *overrides, f"paths.log_dir={tmp_path / 'logs'}"]
+    assert refusal(lambda: check_composition(argv, CONF, "eval", check=check_eval_config), capsys).startswith(line)
+    assert not (tmp_path / "logs").exists()
+
+
+def cli_refusal(script: str, args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run([sys.executable, script, *args, "extras.print_config=false"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+def test_cli_refusals_leave_no_run_directory_and_print_no_traceback(tmp_path):
+    """End to end, as a user runs them: an eval split that does not exist (it used to evaluate the test split and exit
+    0) and a log folder that cannot be created (it used to print a traceback). Nothing is written under either."""
+    blocked = tmp_path / "not_a_folder"
+    blocked.write_text("a file where the log folder should be")
+    out = cli_refusal("train.py", [f"paths.log_dir={blocked / 'logs'}"])
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stderr.splitlines()[-2].startswith(
+        f"error: paths.log_dir: cannot create the run directory {blocked}/logs/train/runs/")
+    assert "Traceback" not in out.stderr and blocked.read_text() == "a file where the log folder should be"
+    ckpt = tmp_path / "best.ckpt"
+    ckpt.touch()
+    out = cli_refusal("eval.py", [f"ckpt_path={ckpt}", "split=train2", f"paths.log_dir={tmp_path / 'logs'}"])
+    assert out.returncode == 1
+    assert out.stderr.splitlines()[-2] == "error: split: 'train2' is not valid; choose one of ('test', 'val')"
+    assert "Traceback" not in out.stderr and not (tmp_path / "logs").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script,overrides,line", [
+    *(pytest.param("train.py", *case.values, marks=case.marks) for case in TRAIN_REFUSALS),
+    ("eval.py", [], "error: ckpt_path: is required"),
+])
+def test_every_cli_refusal_leaves_no_run_directory(script, overrides, line, tmp_path):
+    out = cli_refusal(script, [*overrides, f"paths.log_dir={tmp_path / 'logs'}"])
+    assert out.returncode == 1
+    assert out.stderr.splitlines()[-2].startswith(line)
+    assert "Traceback" not in out.stderr and not (tmp_path / "logs").exists()
+
+
+def test_a_setting_lightning_refuses_names_its_trainer_key(make_cfg):
+    """What no check of ours covers is Lightning's own refusal, named by the trainer key its message names first."""
+    from longseq.utils.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        train(make_cfg(["trainer.strategy=fsdp", "trainer.accelerator=cpu"]))
+    assert error_summary(info.value).startswith("error: trainer.strategy: The strategy `fsdp` requires a GPU "
+                                                "accelerator")

@@ -372,7 +372,9 @@ def test_eval_mode_sample_names_the_key_for_a_task_that_cannot_generate(monkeypa
     classifier = runner.build_module(compose_config(["task=lra_listops", "task.seq_len=64"], tmp_path / "run"))
     monkeypatch.setattr(runner, "load_checkpoint_run", lambda cfg, map_location="cpu": (None, classifier))
     out = tmp_path / "figures"
-    ecfg = compose_config(["ckpt_path=x.ckpt", "mode=sample", f"sample.out_dir={out}"], tmp_path / "eval",
+    ckpt = tmp_path / "x.ckpt"
+    ckpt.touch()  # present (eval.py checks that first); its content never read: load_checkpoint_run is replaced
+    ecfg = compose_config([f"ckpt_path={ckpt}", "mode=sample", f"sample.out_dir={out}"], tmp_path / "eval",
                           config_name="eval")
     with pytest.raises(ConfigError, match=r"^mode: sample needs an image density or a causal LM task; "
                                           r"ClassificationTask .* use mode=evaluate"):

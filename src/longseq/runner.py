@@ -9,13 +9,16 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import re
 from pathlib import Path
 from typing import Any
 
 import hydra
 import lightning as L
 import torch
+from hydra.errors import InstantiationException
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 from torchmetrics import Metric
@@ -25,13 +28,15 @@ from longseq.callbacks.nonfinite import resume_advice
 from longseq.callbacks.progress import console_callbacks
 from longseq.report.outcome import records_run_outcome
 from longseq.utils.build import build_datamodule, build_module
-from longseq.utils.checkpoint import AtomicCheckpointIO, check_ckpt_path, checkpoint_step, read_checkpoint
+from longseq.utils.checkpoint import AtomicCheckpointIO, checkpoint_step, read_checkpoint
 from longseq.utils.config import (
     check_batch_sizes,
-    check_task_geometry,
+    check_run_config,
+    check_seed,
     check_trainer_types,
     ensure_csv_logger,
     register_resolvers,
+    trainer_arguments,
 )
 from longseq.utils.console import quiet_lightning
 from longseq.utils.errors import ConfigError, NonFiniteError
@@ -56,7 +61,21 @@ def build_trainer(cfg: DictConfig, callbacks: list, loggers: list[Logger]) -> L.
     extra = {}
     if cfg.trainer.get("accelerator") != "tpu" and "plugins" not in cfg.trainer:
         extra["plugins"] = [AtomicCheckpointIO()]
-    return hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **extra)
+    try:
+        return hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **extra)
+    except InstantiationException as exc:
+        if isinstance(exc.__cause__, (MisconfigurationException, ValueError, TypeError)):
+            raise trainer_error(exc.__cause__) from exc  # a setting Lightning refuses (fsdp on the CPU ...)
+        raise
+
+
+def trainer_error(exc: BaseException) -> ConfigError:
+    """Lightning's refusal of a Trainer setting as a ``ConfigError`` naming the ``trainer.<key>`` its message names
+    first (``trainer`` when it names none), for the settings no check of ``check_trainer_types`` covers."""
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    found = [(match.start(), name) for name in trainer_arguments()
+             if (match := re.search(rf"(?<![\w.])`?{name}\b", message, flags=re.IGNORECASE))]
+    return ConfigError(f"trainer.{min(found)[1]}" if found else "trainer", message)
 
 
 def close_loggers() -> None:
@@ -94,9 +113,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     and the trainer keys are checked before anything is written.
     """
     register_resolvers()
-    check_trainer_types(cfg.trainer)
-    check_task_geometry(cfg.task)
-    check_ckpt_path(cfg)
+    check_run_config(cfg)
     ensure_csv_logger(cfg)  # every run's curves in <run>/csv/metrics.csv (extras.csv_metrics)
     output_dir = Path(cfg.paths.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -112,7 +129,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     callbacks = instantiate_group(cfg.get("callbacks"))
     loggers = instantiate_group(cfg.get("logger"))
     trainer = build_trainer(cfg, callbacks, loggers)
-    check_batch_sizes(cfg, datamodule, trainer.world_size)  # here, before a spawned fit starts its processes
+    check_batch_sizes(cfg, trainer.world_size)  # as Lightning counts the devices, before a spawned fit starts
     trained = bool(cfg.get("train", True))
     try:
         for logger in loggers:
@@ -291,6 +308,7 @@ def load_checkpoint_run(cfg: DictConfig, map_location: str = "cpu") -> tuple[L.L
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     """Test ``cfg.ckpt_path`` on its own task (val or test split) with the run's saved config."""
+    check_eval_config(cfg)
     datamodule, module = load_checkpoint_run(cfg)
     loggers = instantiate_group(cfg.get("logger"))
     trainer = build_trainer(cfg, [], loggers)
@@ -303,6 +321,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
 
 
 EVAL_MODES = ("evaluate", "sample")  # eval.py mode=
+EVAL_SPLITS = ("test", "val")  # eval.py split=
 
 
 def check_eval_mode(mode: Any) -> str:
@@ -310,6 +329,22 @@ def check_eval_mode(mode: Any) -> str:
     if mode not in EVAL_MODES:
         raise ConfigError("mode", f"{mode!r} is not valid; choose one of {EVAL_MODES}")
     return mode
+
+
+def check_eval_config(cfg: DictConfig) -> None:
+    """Every check an ``eval.py`` config passes or fails on its own: ``ckpt_path`` given and present,
+    ``mode`` and ``split`` valid, the seed and the trainer keys. ``eval.py`` runs it before Hydra makes its run
+    directory; ``evaluate`` and ``sample`` run it again."""
+    if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.get("ckpt_path"):
+        raise ConfigError("ckpt_path", "is required: python eval.py ckpt_path=<run>/checkpoints/best.ckpt (a run "
+                                       "directory stands for its best.ckpt, else last.ckpt)")
+    if not Path(cfg.ckpt_path).exists():
+        read_checkpoint(cfg.ckpt_path)  # names the missing file and what its folder holds
+    check_eval_mode(cfg.get("mode", "evaluate"))
+    if cfg.get("split", "test") not in EVAL_SPLITS:
+        raise ConfigError("split", f"{cfg.split!r} is not valid; choose one of {EVAL_SPLITS}")
+    check_seed(cfg.get("seed"))
+    check_trainer_types(cfg.trainer)
 
 
 def sample(cfg: DictConfig) -> dict[str, str]:
@@ -323,6 +358,7 @@ def sample(cfg: DictConfig) -> dict[str, str]:
     from longseq.models.transformer import check_positive_int
     from longseq.tasks.sampling import sample_out_dir, write_image_samples, write_text_samples
 
+    check_eval_config(cfg)
     spec = cfg.sample
     for key in ("n", "k", "tokens"):
         if spec.get(key) is not None:

@@ -4,16 +4,19 @@ the run dir), resolvers, and the type check of the ``trainer.*`` keys."""
 from __future__ import annotations
 
 import logging
+import math
+import typing
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import rich.syntax
 import rich.tree
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from rich.console import Console
 
-from longseq.utils.errors import ConfigError
+from longseq.utils.checkpoint import check_ckpt_path
+from longseq.utils.errors import ConfigError, name_user_key, names_what_to_fix
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +118,9 @@ TRAINER_TYPES: dict[str, tuple[tuple[type, ...], bool, str]] = {
     "enable_model_summary": (BOOL, False, "true or false"),
     "detect_anomaly": (BOOL, False, "true or false"),
 }
-POSITIVE = {"num_nodes", "accumulate_grad_batches", "log_every_n_steps", "check_val_every_n_epoch"}
+# The smallest value Lightning accepts, where it has one (-1: no limit).
+MINIMUM = {"num_nodes": 1, "accumulate_grad_batches": 1, "log_every_n_steps": 1, "check_val_every_n_epoch": 1,
+           "max_steps": -1, "max_epochs": -1, "min_steps": 0, "min_epochs": 0, "gradient_clip_val": 0}
 
 
 TRAINER_TARGETS = ("lightning.pytorch.Trainer", "lightning.pytorch.trainer.trainer.Trainer", "lightning.Trainer",
@@ -149,8 +154,8 @@ def check_trainer_keys(trainer: DictConfig | dict) -> None:
 
 
 def check_trainer_types(trainer: DictConfig | dict) -> None:
-    """Raise ``ConfigError('trainer.<key>', ...)`` for a trainer key Lightning does not take, or a value of the
-    wrong type or sign."""
+    """Raise ``ConfigError('trainer.<key>', ...)`` for a trainer key Lightning does not take, a value of the wrong
+    type or below its minimum, a precision or device count Lightning rejects, or an accelerator this machine lacks."""
     check_trainer_keys(trainer)
     for key, (types, nullable, expected) in TRAINER_TYPES.items():
         if key not in trainer:
@@ -161,13 +166,113 @@ def check_trainer_types(trainer: DictConfig | dict) -> None:
         elif isinstance(value, bool):  # bool is an int subclass: accept it only where a bool is meant
             ok = bool in types
         else:
-            ok = (isinstance(value, types) and not (key in POSITIVE and value < 1)
-                  and not (key == "gradient_clip_val" and value < 0))
+            ok = isinstance(value, types) and value >= MINIMUM.get(key, -math.inf)
         if not ok:
             raise ConfigError(f"trainer.{key}", f"expected {expected}, got {value!r}")
-    devices = trainer.get("devices")
-    if devices is not None and not isinstance(devices, (int, str, list, ListConfig)):
-        raise ConfigError("trainer.devices", f"expected an integer, 'auto' or a list of device ids, got {devices!r}")
+    check_devices(trainer.get("devices"))
+    check_precision(trainer.get("precision"))
+    check_accelerator(trainer.get("accelerator"))
+
+
+def check_devices(devices: Any) -> None:
+    """``trainer.devices``: a number of devices >= 1, -1 (all), 'auto', or device ids (a list or "0,1")."""
+    if devices is None or devices == "auto" or devices == -1:
+        return
+    ids = list(devices) if isinstance(devices, (list, ListConfig)) else None
+    if isinstance(devices, str):
+        ids = [part.strip() for part in devices.split(",") if part.strip()]
+        ok = bool(ids) and all(part.isdigit() for part in ids)
+    elif ids is not None:
+        ok = bool(ids) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+    else:
+        ok = isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1
+    if not ok:
+        raise ConfigError("trainer.devices", f"expected a number of devices >= 1, -1 (all), 'auto' or a list of device "
+                                             f"ids, got {devices!r}")
+
+
+def check_precision(precision: Any) -> None:
+    """``trainer.precision``: one of the values Lightning accepts (its own list)."""
+    from lightning.fabric.connector import _PRECISION_INPUT_STR, _convert_precision_to_unified_args
+
+    if precision is None:
+        return
+    try:
+        _convert_precision_to_unified_args(precision)
+    except (ValueError, TypeError):
+        raise ConfigError("trainer.precision", f"{precision!r} is not a precision Lightning knows; valid: "
+                                               f"{', '.join(typing.get_args(_PRECISION_INPUT_STR))}") from None
+
+
+def check_accelerator(accelerator: Any) -> None:
+    """``trainer.accelerator``: 'auto', 'gpu' or one of Lightning's accelerators, and present on this machine
+    (``trainer=gpu``, ``ddp`` and ``fsdp`` ask for a GPU and never fall back to the CPU silently)."""
+    from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry
+
+    if accelerator is None or accelerator == "auto" or isinstance(accelerator, Accelerator):
+        return
+    known = sorted(AcceleratorRegistry)
+    asked = ("cuda", "mps") if accelerator == "gpu" else (accelerator,)
+    if not any(name in known for name in asked):
+        raise ConfigError("trainer.accelerator", f"{accelerator!r} is not an accelerator; valid: auto, gpu, "
+                                                 f"{', '.join(known)}")
+    if not any(AcceleratorRegistry[name]["accelerator"].is_available() for name in asked if name in known):
+        present = [name for name in known if AcceleratorRegistry[name]["accelerator"].is_available()]
+        raise ConfigError("trainer.accelerator", f"{accelerator!r} asks for a device this machine does not have "
+                                                 f"(present: {', '.join(present)}); use trainer=cpu or "
+                                                 "trainer=ddp_cpu, or trainer=default to let Lightning pick what "
+                                                 "there is")
+
+
+def check_seed(seed: Any) -> None:
+    """``seed``: an integer Lightning can seed with (0 to 2**32 - 1), or null for an unseeded run."""
+    if seed is None:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ConfigError("seed", f"expected an integer from 0 to {2**32 - 1} (or null: unseeded), got {seed!r}")
+
+
+def check_partition_choice(cfg: DictConfig) -> None:
+    """``partition=<p>`` is read only by attentions whose config has an ``attention.partition`` key (``sparse``,
+    ``combiner``, ``combiner_select``); with any other attention it would be ignored silently."""
+    partition = cfg.get("partition")
+    attention = cfg.get("attention") or {}
+    if partition and "partition" not in attention:
+        name = partition.get("name", "?") if isinstance(partition, DictConfig) else partition
+        raise ConfigError("partition", f"attention={attention.get('name')} takes no partition, so partition={name} "
+                                       "would be ignored; a partition is the geometry of attention=sparse, "
+                                       f"attention=combiner and attention=combiner_select: drop partition={name} or "
+                                       "choose one of those")
+
+
+def check_run_config(cfg: DictConfig) -> None:
+    """Every check a train config passes or fails on its own, before anything is written: the trainer keys, the
+    seed, the partition choice, the task's geometry and batch sizes, and the model (built on the meta device) with
+    its ``ckpt_path``. ``train.py`` runs it before Hydra makes the run directory (``resume.preflight``);
+    ``runner.train`` runs it again (multirun jobs, in-process runs)."""
+    check_trainer_types(cfg.trainer)
+    check_seed(cfg.get("seed"))
+    check_partition_choice(cfg)
+    check_task_geometry(cfg.task)
+    check_batch_sizes(cfg, configured_world_size(cfg.trainer))
+    check_ckpt_path(cfg)
+
+
+def check_before_run(cfg: DictConfig, check: Callable[[DictConfig], None]) -> None:
+    """Run ``check(cfg)`` before the run directory exists. An error that names the key or file to fix is printed as
+    the one ``error:`` line (exit 1), so a refused run leaves nothing behind; any other error is left to the run,
+    which reports it with its context (its log holds the traceback)."""
+    from longseq.utils.console import full_errors, report_and_exit
+
+    try:
+        check(cfg)
+    except Exception as exc:  # noqa: BLE001 - sorted below: the user's mistakes now, the rest in the run
+        if not names_what_to_fix(exc):
+            log.debug(f"pre-run check: {type(exc).__name__}: {exc} (left to the run)")
+            return
+        if full_errors():
+            raise
+        report_and_exit(name_user_key(exc, cfg))
 
 
 def check_task_geometry(task: DictConfig | dict) -> None:
@@ -198,22 +303,33 @@ def check_task_geometry(task: DictConfig | dict) -> None:
                                               "set task.max_length where the task allows it, not task.seq_len")
 
 
-def check_batch_sizes(cfg: DictConfig, datamodule: Any, world_size: int) -> None:
-    """The global batch sizes divide over ``world_size`` processes (and gradient accumulation), checked in the
-    launching process: a ``ddp_spawn`` fit would otherwise start its workers first and fail in each of them.
-    The rule itself is ``longseq.data.batching.per_device_batch_size`` (the datamodules apply it again in
-    ``setup``); the message names the key the user typed (``task.batch_size``, not ``task.data.batch_size``)."""
+def check_batch_sizes(cfg: DictConfig, world_size: int | None) -> None:
+    """The global batch sizes (``task.data.batch_size`` / ``eval_batch_size``) divide over ``world_size`` processes
+    (and gradient accumulation), checked in the launching process: a ``ddp_spawn`` fit would otherwise start its
+    workers first and fail in each of them. The rule itself is ``longseq.data.batching.per_device_batch_size`` (the
+    datamodules apply it again in ``setup``); the message names the key the user typed (``task.batch_size``, not
+    ``task.data.batch_size``). ``world_size`` None (not known before the Trainer exists): nothing to check."""
     from longseq.data.batching import per_device_batch_size
     from longseq.utils.errors import user_key
 
-    batch = getattr(datamodule, "batch_size", None)
-    if not isinstance(batch, int):
+    data = cfg.task.get("data") or {}
+    batch = data.get("batch_size")
+    if world_size is None or not isinstance(batch, int):
         return
-    accumulate = int(getattr(datamodule, "accumulate_grad_batches", 1) or 1)
+    accumulate = int(data.get("accumulate_grad_batches") or 1)
     per_device_batch_size(batch, world_size, accumulate, key=user_key(cfg, "task.data.batch_size"))
-    eval_batch = getattr(datamodule, "eval_batch_size", None)
+    eval_batch = data.get("eval_batch_size")
     if isinstance(eval_batch, int):
         per_device_batch_size(eval_batch, world_size, 1, key=user_key(cfg, "task.data.eval_batch_size"))
+
+
+def configured_world_size(trainer: DictConfig) -> int | None:
+    """The number of processes ``trainer.devices`` x ``num_nodes`` asks for, when the config alone says it (None for
+    'auto', -1 or a device string: Lightning decides)."""
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
+    if isinstance(devices, (list, ListConfig)):
+        devices = len(devices)
+    return devices * nodes if isinstance(devices, int) and devices >= 1 and isinstance(nodes, int) else None
 
 
 CSV_LOGGER = {"_target_": "lightning.pytorch.loggers.CSVLogger", "save_dir": "${paths.output_dir}", "name": "csv",
@@ -307,9 +423,11 @@ def compose_for_check(config_dir: Path, config_name: str, overrides: list[str]):
         GlobalHydra.instance().clear()
 
 
-def check_composition(argv: list[str], config_dir: Path, config_name: str = "train") -> None:
+def check_composition(argv: list[str], config_dir: Path, config_name: str = "train",
+                      check: Callable[[DictConfig], None] | None = None) -> None:
     """Compose the command's config once before Hydra does, so a bad override (unknown key or option, an ambiguous
-    or unparsable value) prints the one ``error: <key>: <message>`` line and exits 1 like every other error.
+    or unparsable value) prints the one ``error: <key>: <message>`` line and exits 1 like every other error; then
+    ``check`` the composed config (``check_before_run``), so a refused run leaves no run directory.
 
     Multiruns and ``--cfg`` / ``--help`` are left to Hydra; with ``HYDRA_FULL_ERROR=1`` Hydra reports it.
     """
@@ -323,8 +441,11 @@ def check_composition(argv: list[str], config_dir: Path, config_name: str = "tra
     overrides = list(args.overrides or [])
     name = args.config_name or config_name
     try:
-        compose_for_check(config_dir, name, overrides)
+        cfg = compose_for_check(config_dir, name, overrides)
     except Exception as exc:  # noqa: BLE001 - only composition errors are reported here; the run reports the rest
         error = composition_error(exc, overrides, lambda kept: compose_for_check(config_dir, name, kept))
         if error is not None:
             report_and_exit(error)
+        return
+    if check is not None:
+        check_before_run(cfg, check)

@@ -84,6 +84,8 @@ def key_and_message(exc: BaseException) -> tuple[str, str] | None:
     """
     message = str(exc.args[0]) if len(exc.args) == 1 and isinstance(exc.args[0], str) else str(exc)
     forced = getattr(exc, "config_key", None)
+    if type(exc).__module__.startswith("omegaconf") and getattr(exc, "full_key", None):  # MissingMandatoryValue ...
+        return forced or str(exc.full_key), message.splitlines()[0] if message else type(exc).__name__
     if isinstance(exc, OSError) and exc.filename and exc.strerror and forced is None:
         return str(exc.filename), str(exc.strerror)  # the file form: ``error: <path>: <what failed>``
     if not isinstance(exc, USER_ERRORS) and forced is None:
@@ -103,6 +105,11 @@ def key_and_message(exc: BaseException) -> tuple[str, str] | None:
     if match or forced:
         return forced or match["key"], message
     return None
+
+
+def names_what_to_fix(exc: BaseException) -> bool:
+    """True when ``exc`` says which key or file the user must fix (what ``error_summary`` prints as its place)."""
+    return isinstance(exc, (ConfigError, DataError)) or key_and_message(exc) is not None
 
 
 def user_key(cfg: Any, key: str) -> str:

@@ -1,8 +1,9 @@
 """``train.py``'s pre-flight and resume: one command resumes a run in place, replaying how it was trained.
 
-- ``preflight`` (before Hydra composes or makes a run directory): ``ckpt_path=<run>/checkpoints/<file>.ckpt``
-  (or a run / checkpoints directory) replays the run's saved overrides with the command's own on top, checks
-  the checkpoint against the composed model, and points Hydra at ``<run>``.
+- ``preflight`` (before Hydra composes or makes a run directory): every run's config checks
+  (``config.check_run_config``); ``ckpt_path=<run>/checkpoints/<file>.ckpt`` (or a run / checkpoints directory)
+  also replays the run's saved overrides with the command's own on top, checks the checkpoint against the composed
+  model, and points Hydra at ``<run>``.
 - ``resume_requeued`` (inside the job): a launcher job started again in a directory that already holds its own
   checkpoints (a SLURM requeue after preemption or time-out, a resubmitted job) resumes from the newest one.
 - ``resuming_in_place`` / ``continue_loggers`` (``runner.train``): a run resumed in its own directory continues its
@@ -24,13 +25,12 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from longseq.utils.checkpoint import (
     OVERRIDES_FILE,
-    check_ckpt_path,
     checkpoint_step,
     newest_checkpoint,
     resolve_ckpt_path,
     run_dir_of,
 )
-from longseq.utils.config import compose_for_check
+from longseq.utils.config import check_before_run, check_run_config, compose_for_check
 from longseq.utils.console import full_errors, report_and_exit
 from longseq.utils.errors import ConfigError
 from longseq.utils.rundir import RESOLVED_CONFIG, describe, live_holder, rank_zero
@@ -103,8 +103,9 @@ def preflight(argv: list[str], config_dir: Path, config_name: str = "train") -> 
     command's own (both printed), and ``hydra.run.dir=<run>`` is added (unless given) so the training continues
     in its own directory; Hydra's record of this invocation goes to ``<run>/.hydra/resume-<time>/`` and the
     original ``.hydra/overrides.yaml`` stays as it was. The checkpoint must exist, load and match the composed
-    model (``ConfigError`` naming the file or the differing keys), and the run must not be live: nothing is
-    created otherwise. Multiruns (``-m``) are checked per job by ``runner.train`` instead.
+    model (``ConfigError`` naming the file or the differing keys), and the run must not be live. Every run, resumed
+    or not, passes ``config.check_run_config`` here: nothing is created otherwise. Multiruns (``-m``) are checked per
+    job by ``runner.train`` instead.
     """
     from hydra._internal.utils import get_args_parser
 
@@ -116,6 +117,7 @@ def preflight(argv: list[str], config_dir: Path, config_name: str = "train") -> 
     given = list(args.overrides or [])
     ckpt = override_value(given, "ckpt_path")
     if not ckpt or ckpt == "null":
+        check_composed(config_dir, args.config_name or config_name, given)
         return argv
     flags = [a for a in argv[1:] if a not in set(given)]
     try:
@@ -146,17 +148,13 @@ def preflight(argv: list[str], config_dir: Path, config_name: str = "train") -> 
 
 
 def check_composed(config_dir: Path, config_name: str, overrides: list[str]) -> None:
-    """``check_ckpt_path`` on the config ``overrides`` compose to (``ConfigError`` passes through)."""
+    """``check_run_config`` on the config ``overrides`` compose to, before the run directory exists: a refused
+    run prints its ``error: <key>:`` line and leaves nothing behind (``config.check_before_run``)."""
     try:
         cfg = compose_for_check(config_dir, config_name, overrides)
     except Exception:  # noqa: BLE001 - a composition error is reported by the real run, with its context
         return
-    try:
-        check_ckpt_path(cfg)
-    except ConfigError:
-        raise
-    except Exception:  # noqa: BLE001 - any other problem is reported by the real run, with its context
-        pass
+    check_before_run(cfg, check_run_config)
 
 
 def same_job(saved: DictConfig, cfg: DictConfig) -> bool:

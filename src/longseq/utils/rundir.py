@@ -30,6 +30,7 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
+from omegaconf import OmegaConf
 
 from longseq.utils.errors import ConfigError
 
@@ -124,8 +125,14 @@ def acquire(directory: str | Path, key: str = "hydra.run.dir") -> Path:
     directory = Path(directory).resolve()
     if directory in _HELD:
         return directory
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK_FILE
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o644))
+    except OSError as exc:  # a read-only or full log folder: nothing was created, so say where to write instead
+        where = f": {exc.filename}" if exc.filename and Path(exc.filename) != directory else ""
+        raise ConfigError(key, f"cannot create the run directory {directory} ({exc.strerror or exc}{where}); choose "
+                               f"a writable {key}") from None
     for _ in range(5):  # the file may be unlinked by its releasing holder between open and flock: retry
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -199,6 +206,16 @@ def acquire_or_exit(directory: str | Path, key: str) -> None:
         report_and_exit(exc)
 
 
+def key_of(config: Any, key: str) -> str:
+    """The key the user chose the directory ``key`` names by: ``paths.log_dir`` when Hydra generated it below that
+    folder, else ``key`` itself (set by the command, e.g. an explicit ``hydra.run.dir`` or a resume in place)."""
+    given = [str(o).partition("=")[0].lstrip("+~") for o in config.hydra.overrides.get("hydra", [])]
+    try:
+        log_dir = Path(str(config.paths.log_dir)).resolve()
+        below = Path(str(OmegaConf.select(config, key))).resolve().is_relative_to(log_dir)
+    except Exception:  # noqa: BLE001 - a config without paths.log_dir: the directory's own key
+        below = False
+    return "paths.log_dir" if below and key not in given else key
 
 
 class RunDirLock(Callback):
@@ -207,14 +224,16 @@ class RunDirLock(Callback):
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
         if rank_zero():
-            acquire_or_exit(str(config.hydra.run.dir), "hydra.run.dir")
+            run_dir = str(config.hydra.run.dir)
+            acquire_or_exit(run_dir, key_of(config, "hydra.run.dir"))
 
     def on_run_end(self, config: Any, **kwargs: Any) -> None:
         release(str(config.hydra.run.dir))
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         if rank_zero():
-            acquire_or_exit(str(config.hydra.sweep.dir), "hydra.sweep.dir")
+            sweep_dir = str(config.hydra.sweep.dir)
+            acquire_or_exit(sweep_dir, key_of(config, "hydra.sweep.dir"))
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         release(str(config.hydra.sweep.dir))
