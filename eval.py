@@ -2,6 +2,7 @@
 ``python eval.py ckpt_path=logs/train/runs/<run>/checkpoints/best.ckpt [split=val]`` (a run or checkpoints/
 directory: its best.ckpt, else last.ckpt), or sample from it:
 ``python eval.py ckpt_path=... mode=sample [sample.n=16] [sample.cache=false] [sample.out_dir=<dir>]``.
+The metrics are printed and saved to ``<eval run>/metrics.json``.
 
 Errors print as one line, ``error: <key>: <message>`` (``HYDRA_FULL_ERROR=1``: full traceback).
 """
@@ -15,6 +16,7 @@ os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parent))
 import hydra  # noqa: E402
 from omegaconf import DictConfig, open_dict  # noqa: E402
 
+from longseq.report.outcome import METRICS_FILE  # noqa: E402
 from longseq.runner import check_eval_config, check_eval_mode, evaluate, sample  # noqa: E402
 from longseq.utils.checkpoint import resolve_ckpt_path  # noqa: E402
 from longseq.utils.config import check_composition, register_resolvers  # noqa: E402
@@ -40,6 +42,7 @@ def main(cfg: DictConfig) -> None:
         report_and_exit(exc)
     for name, value in sorted(metrics.items()):
         print(f"{name}: {value:.4f}")
+    print(f"saved: {Path(cfg.paths.output_dir) / METRICS_FILE}")
 
 
 if __name__ == "__main__":

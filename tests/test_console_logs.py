@@ -83,3 +83,17 @@ def test_optuna_import_prints_no_alembic_plugin_lines() -> None:
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "alembic" not in done.stdout + done.stderr
+
+
+def test_debug_level_logging_prints_no_font_or_file_system_records() -> None:
+    """``debug=`` sets the root logger to DEBUG for the project's own records; matplotlib's font scoring (one record
+    per font, every figure) and fsspec's file opens (every checkpoint) stay at WARNING: ``debug=limit`` printed 234
+    such lines of its 277."""
+    code = ("import io, logging; logging.basicConfig(level=logging.DEBUG); import longseq.utils.console; "
+            "import matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot as plt; import fsspec; "
+            "plt.plot([0, 1]); plt.title('probe'); plt.savefig(io.BytesIO(), format='png'); "
+            "fsspec.filesystem('file').ls('.'); logging.getLogger('longseq.probe').debug('own record')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = (done.stdout + done.stderr).splitlines()
+    assert lines == ["DEBUG:longseq.probe:own record"], lines[:5]

@@ -4,6 +4,7 @@ SIGTERM / kill -9 are in test_runs_interrupts.py, checkpoint and NaN faults in t
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -45,11 +46,25 @@ def test_fast_dev_run_digits(make_cfg, tmp_path):
     assert 0 < metrics["test/bpd"] < 6
 
 
-def test_eval_round_trip_reproduces_test_bpd(make_cfg, tmp_path):
+def test_eval_round_trip_reproduces_test_bpd_and_saves_it_in_its_run_dir(make_cfg, tmp_path):
     metrics = train(compose_config(["trainer.max_steps=4"], tmp_path / "run"))
     ecfg = compose_config([f"ckpt_path={metrics['ckpt_path']}", "trainer.limit_test_batches=1"], tmp_path / "eval", config_name="eval")
     evaluated = evaluate(ecfg)
     assert evaluated["test/bpd"] == pytest.approx(metrics["test/bpd"], rel=1e-5)
+    record = json.loads((tmp_path / "eval" / "metrics.json").read_text())  # not only on the console
+    assert record["status"] == "completed" and record["metrics"]["test/bpd"] == pytest.approx(evaluated["test/bpd"])
+
+
+def test_a_run_shorter_than_its_warm_up_says_so(make_cfg, caplog):
+    """``trainer.max_steps=3`` with the cosine schedule's 30 warm-up steps never reaches ``optimizer.lr``."""
+    train(make_cfg(["trainer.max_steps=3", "scheduler.warmup_steps=30", "test=false"]))
+    (warning,) = [r.getMessage() for r in caplog.records if "warmup_steps" in r.getMessage()]
+    assert warning == ("scheduler.warmup_steps=30 is longer than this run (3 optimizer steps): the learning rate never "
+                       "finishes its warm-up (it ends at 0.0003 of optimizer.lr=0.003); lower scheduler.warmup_steps "
+                       "or raise trainer.max_steps")
+    caplog.clear()
+    train(make_cfg(["trainer.max_steps=3", "scheduler.warmup_steps=3", "test=false"]))
+    assert not [r for r in caplog.records if "warmup_steps" in r.getMessage()]
 
 
 def test_resume_continues_at_same_step_with_optimizer_state(make_cfg, tmp_path):

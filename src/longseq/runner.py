@@ -306,6 +306,7 @@ def load_checkpoint_run(cfg: DictConfig, map_location: str = "cpu") -> tuple[L.L
     return datamodule, module_cls.load_from_checkpoint(cfg.ckpt_path, map_location=map_location, weights_only=False)
 
 
+@records_run_outcome  # <eval run>/metrics.json: the metrics eval.py printed, and its status
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     """Test ``cfg.ckpt_path`` on its own task (val or test split) with the run's saved config."""
     check_eval_config(cfg)

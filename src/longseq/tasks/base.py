@@ -91,6 +91,18 @@ def check_optimization(optimizer: dict | None, scheduler: dict | None, required:
         _number("scheduler.min_lr_ratio", scheduler["min_lr_ratio"], 0, True, 1, True)
 
 
+def warn_if_warmup_outlasts_run(scheduler: dict, total_steps: int, lr: float | None) -> None:
+    """Warn when the run ends inside its warm-up (``trainer.max_steps=20`` with ``scheduler.warmup_steps=30``): the
+    learning rate never reaches ``optimizer.lr``, which nothing else would say."""
+    warmup = scheduler.get("warmup_steps") or 0
+    if total_steps >= warmup:
+        return
+    reached = f" (it ends at {lr * total_steps / warmup:.3g} of optimizer.lr={lr:g})" if lr else ""
+    log.warning(f"scheduler.warmup_steps={warmup} is longer than this run ({total_steps} optimizer steps): the "
+                f"learning rate never finishes its warm-up{reached}; lower scheduler.warmup_steps or raise "
+                "trainer.max_steps")
+
+
 def to_dict(node: Any) -> Any:
     """Resolved plain container from an OmegaConf node (or the value itself)."""
     if isinstance(node, DictConfig):
@@ -172,5 +184,8 @@ class SequenceTask(L.LightningModule):
         if not self.hparams.scheduler:
             return optimizer
         make_sched = hydra.utils.instantiate(to_dict(self.hparams.scheduler))
-        scheduler = make_sched(optimizer, total_steps=int(self.trainer.estimated_stepping_batches))
+        total_steps = int(self.trainer.estimated_stepping_batches)
+        if self.trainer.is_global_zero and not self.trainer.fast_dev_run:
+            warn_if_warmup_outlasts_run(to_dict(self.hparams.scheduler), total_steps, opt_cfg.get("lr"))
+        scheduler = make_sched(optimizer, total_steps=total_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

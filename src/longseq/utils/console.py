@@ -33,8 +33,9 @@ KNOWN_NOISE = (
     "You have turned on `Trainer(detect_anomaly=True)`",  # debug=default asks for it: its slow-down is documented
     "Trainer already configured with model summary callbacks",  # the runner's CompactModelSummary, on purpose
 )
-# Loggers quiet below WARNING: alembic names the 7 plugins it sets up whenever Optuna imports it (any sweep).
-QUIET_LOGGERS = ("alembic",)
+# Loggers quiet below WARNING: alembic names the 7 plugins it sets up whenever Optuna imports it (any sweep);
+# under debug= (root level DEBUG) matplotlib logs every font it scores for a figure and fsspec every file it opens.
+QUIET_LOGGERS = ("alembic", "matplotlib", "fsspec")
 
 
 class _DropTips(logging.Filter):
