@@ -6,6 +6,7 @@ which files exist afterwards.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import shutil
@@ -182,6 +183,66 @@ def test_atomic_save_keeps_the_old_file_when_a_write_fails(tmp_path, monkeypatch
     monkeypatch.undo()
     assert torch.load(path) == {"step": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+class FillingDisk:
+    """Files opened for writing on a disk that fills up once ``room`` is set: a write beyond it fails with ENOSPC, as
+    on a full filesystem (where torch's zip writer reports ``RuntimeError: ... unexpected pos``)."""
+
+    def __init__(self):
+        self.room: int | None = None
+
+    def open(self, path, mode="r", *args, **kwargs):
+        handle = open(path, mode, *args, **kwargs)
+        return self.File(handle, self) if "w" in mode else handle
+
+    class File:
+        def __init__(self, handle, disk):
+            self.handle, self.disk = handle, disk
+
+        def write(self, data):
+            if self.disk.room is not None:
+                if len(data) > self.disk.room:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                self.disk.room -= len(data)
+            return self.handle.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+
+def test_a_full_disk_names_the_checkpoint_and_keeps_the_last_complete_one(make_cfg, tmp_path, monkeypatch):
+    """The disk fills after the step-2 checkpoint: the run stops with the documented line for the step-4 save, and
+    checkpoints/ holds the complete step-2 last.ckpt, no partial file."""
+    from longseq.utils import checkpoint
+    from longseq.utils.console import error_summary
+
+    disk = FillingDisk()
+    monkeypatch.setattr(checkpoint, "open", disk.open, raising=False)  # save_atomically's open
+
+    class FillDisk(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if trainer.global_step == 3:
+                disk.room = 4096
+
+    cfg = make_cfg(["trainer.max_steps=6", "callbacks.model_checkpoint.every_n_train_steps=2"])
+    original = with_callback(cfg, FillDisk())
+    try:
+        with pytest.raises(OSError) as caught:
+            train(cfg)
+    finally:
+        runner.instantiate_group = original
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert error_summary(caught.value) == (f"error: {last}: could not write this checkpoint at step 4 (OSError: "
+                                           "[Errno 28] No space left on device)")
+    assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]  # no .tmp, no interrupted.ckpt
+    assert torch.load(last, weights_only=False)["global_step"] == 2
 
 
 def test_train_false_returns_test_metrics_without_optimized_metric(trained_run, make_cfg, tmp_path):

@@ -40,17 +40,37 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def save_atomically(obj: Any, path: Path) -> None:
-    """Write ``obj`` with ``torch.save`` so that ``path`` is either the old file or the complete new one."""
+    """Write ``obj`` with ``torch.save`` so that ``path`` is either the old file or the complete new one.
+
+    A failed write raises its ``OSError`` (a full disk: errno 28), also where torch's zip writer reports it as a
+    ``RuntimeError`` (``unexpected pos ...``) with the ``OSError`` only as its context."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            try:
+                torch.save(obj, f)
+            except RuntimeError as error:
+                cause = os_error_behind(error)
+                if cause is None:
+                    raise
+                raise cause from error
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def os_error_behind(error: BaseException) -> OSError | None:
+    """The ``OSError`` among ``error``'s causes and contexts (the file write that made it fail), or None."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def run_dir_of(ckpt_path: str | Path) -> Path | None:
