@@ -146,59 +146,97 @@ def curve_styles(names: list[str], modes: list[str]) -> dict[tuple[str, str], di
     return styles
 
 
-def benchmark_figure(rows: list[dict[str, Any]], title: str, figure=None):
-    """Two log-log panels like the Combiner paper's Fig. 3: ms/iter and peak memory vs length; returns the figure.
+# The figure's panels, in order: (group, title). A variant's group is its registry family, except that the variants
+# built on query-dependent block selection (``ops/block_select.py``) get their own; dense ``full`` is the reference
+# drawn in every panel.
+PANELS = (("sparse", "sparse"), ("combiner", "Combiner"), ("efficient", "kernel / low-rank (efficient)"),
+          ("block selection", "block selection"), ("other", "other"))
+REFERENCE = "full"
 
-    Coloured by family (``curve_styles``), one legend for both panels grouped under family headings. Cells that
-    did not run (oom, over budget, error) are left out, so a line ends where the attention stopped fitting.
-    ``figure``: draw into this one (the notebook passes ``plt.figure()`` to show it inline); default a new
-    ``matplotlib.figure.Figure`` that no pyplot state holds. The one plotting function of ``make bench``
-    (``plot``) and ``notebooks/benchmark.ipynb``.
+
+def selects_blocks(label: str) -> bool:
+    """True for a variant whose module is built on ``ops/block_select.py`` (query-dependent block selection: moba,
+    nsa, combiner_select), whichever family folder it lives in."""
+    import sys
+
+    from longseq.attention import ATTENTION_REGISTRY
+
+    cls = getattr(ATTENTION_REGISTRY.get(label.split(":", 1)[0]), "cls", None)
+    module = sys.modules.get(getattr(cls, "__module__", ""))
+    return module is not None and any(getattr(value, "__module__", None) == "longseq.attention.ops.block_select"
+                                      for value in vars(module).values())
+
+
+def panel_of(label: str) -> str:
+    """The figure panel of a bench label: ``block selection`` or the variant's family."""
+    return "block selection" if selects_blocks(label) else family(label)
+
+
+def benchmark_figure(rows: list[dict[str, Any]], title: str, figure=None):
+    """The Combiner paper's Fig. 3, one column of panels per family: time as the ratio to ``full`` at the same length
+    and mode (top) and peak memory (bottom) against length, log-log; returns the figure.
+
+    Columns: sparse, Combiner, kernel / low-rank, block selection (and ``other`` for names outside the registry),
+    each drawn only when the rows hold one of its variants, with ``full`` in every panel as the reference (its ratio
+    is 1) and its own legend below it. Rows share their y axis, so families compare across columns. Colours follow
+    ``curve_styles`` (a hue per family, a marker per member, the line style per mode). Cells that did not run (oom,
+    over budget, error), and times at a length where ``full`` did not run, are left out. ``figure``: draw into this
+    one (the notebook passes ``plt.figure()`` to show it inline); default a new ``matplotlib.figure.Figure`` that no
+    pyplot state holds. The one plotting function of ``make bench`` (``plot``), ``python -m longseq.bench.replot``
+    and ``notebooks/benchmark.ipynb``.
     """
     from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
 
+    rows = [dict(r) for r in rows]
+    add_ratios(rows)  # the one ratio rule: ms / full's ms at the same length and mode, in this run
     ok = [r for r in rows if r["status"] == "ok"]
     names = list(dict.fromkeys(r["attention"] for r in rows))
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     styles = curve_styles(names, modes)
-    figure = figure if figure is not None else Figure(figsize=(13, 5.5))
-    time_axis, memory_axis = figure.subplots(1, 2)
-    entries: dict[str, list[tuple[Line2D, str]]] = {}
-    for name in names:
-        for mode in modes:
-            cells = sorted((r for r in ok if r["attention"] == name and r["mode"] == mode), key=lambda r: r["length"])
-            if not cells:
-                continue
-            style = styles[name, mode]
-            lengths = [r["length"] for r in cells]
-            (line,) = time_axis.plot(lengths, [r["ms"] for r in cells], **style)
-            # zero growth (below the page granularity) cannot sit on a log axis
-            memory = [(r["length"], max(r["peak_mem_mb"], 1e-2)) for r in cells
-                      if not math.isnan(float(r["peak_mem_mb"]))]
-            if memory:
-                memory_axis.plot(*zip(*memory), **style)
-            entries.setdefault(family(name), []).append((line, name if len(modes) == 1 else f"{name} ({mode})"))
-    for axis, ylabel in ((time_axis, "time (ms / iteration, median)"), (memory_axis, "peak memory (MB)")):
+    members = {group: [n for n in names if n != REFERENCE and panel_of(n) == group] for group, _ in PANELS}
+    panels = [(group, heading) for group, heading in PANELS if members[group]]
+    figure = figure if figure is not None else Figure()
+    figure.set_size_inches(4.3 * max(1, len(panels)), 9.5)
+    axes = figure.subplots(2, max(1, len(panels)), sharex=True, sharey="row", squeeze=False)
+
+    def curve(name: str, mode: str) -> list[dict[str, Any]]:
+        return sorted((r for r in ok if r["attention"] == name and r["mode"] == mode), key=lambda r: r["length"])
+
+    for column, (group, heading) in enumerate(panels):
+        time_axis, memory_axis = axes[0][column], axes[1][column]
+        handles, labels = [], []
+        for name in ([REFERENCE] if REFERENCE in names else []) + members[group]:
+            for mode in modes:
+                cells = curve(name, mode)
+                timed = [(r["length"], r["ratio_to_full"]) for r in cells if not math.isnan(r["ratio_to_full"])]
+                # zero growth (below the page granularity) cannot sit on a log axis
+                memory = [(r["length"], max(float(r["peak_mem_mb"]), 1e-2)) for r in cells
+                          if not math.isnan(float(r["peak_mem_mb"]))]
+                style = dict(styles[name, mode], linewidth=2.2 if name == REFERENCE else 1.4)
+                line = None
+                if timed:
+                    (line,) = time_axis.plot(*zip(*timed), **style)
+                if memory:
+                    (drawn,) = memory_axis.plot(*zip(*memory), **style)
+                    line = line or drawn
+                if line is not None:
+                    handles.append(line)
+                    labels.append((f"{name} (reference)" if name == REFERENCE else name)
+                                  + (f", {mode}" if len(modes) > 1 else ""))
+        time_axis.set_title(f"{heading} ({len(members[group])})", fontsize=10)
+        memory_axis.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize=7.5,
+                           ncol=2 if len(handles) > 8 else 1, handlelength=3, frameon=False)
+    for axis in axes.flat:
         axis.set_xscale("log", base=2)
         axis.set_yscale("log")
-        axis.set_xlabel("sequence length L")
-        axis.set_ylabel(ylabel)
         axis.grid(True, which="both", alpha=0.3)
-    handles, labels = [], []
-    for fam in [f for f in FAMILY_COLOURS if f in entries]:
-        handles.append(Line2D([], [], linestyle="none"))  # a heading: the family's name, no line
-        labels.append(f"{fam}:")
-        for line, label in entries[fam]:
-            handles.append(line)
-            labels.append(label)
-    if handles:
-        legend = figure.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8,
-                               ncol=2 if len(handles) > 30 else 1, handlelength=3)
-        for text, label in zip(legend.get_texts(), labels):
-            if label.endswith(":"):
-                text.set_fontweight("bold")
-    figure.suptitle(title, fontsize=10)
+    for axis in axes[1]:
+        axis.set_xlabel("sequence length L")
+    axes[0][0].set_ylabel("time / full's time (median ms, same L)")
+    axes[1][0].set_ylabel("peak memory above inputs (MB)")
+    styles_note = "; solid fwd, dashed fwd_bwd" if len(modes) > 1 else ""
+    figure.suptitle(f"{title}\nfull (the thick dark line) is the reference in every panel{styles_note}",
+                    fontsize=10)
     figure.tight_layout()
     return figure
 
@@ -206,6 +244,16 @@ def benchmark_figure(rows: list[dict[str, Any]], title: str, figure=None):
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     """``benchmark_figure`` saved to ``path`` (PNG)."""
     benchmark_figure(rows, title).savefig(path, dpi=120, bbox_inches="tight")
+
+
+def read_results(path: Path) -> list[dict[str, Any]]:
+    """The rows of a ``results.csv`` (``write_csv``'s columns), numbers as numbers (an empty cell is NaN)."""
+    def number(text: str | None) -> float:
+        return float(text) if text not in (None, "") else math.nan
+
+    with Path(path).open(newline="") as handle:
+        return [{**row, "length": int(row["length"]), "ms": number(row["ms"]),
+                 "peak_mem_mb": number(row["peak_mem_mb"])} for row in csv.DictReader(handle)]
 
 
 def markdown_table(rows: list[dict[str, Any]], mode: str) -> str:

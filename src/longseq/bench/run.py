@@ -158,7 +158,7 @@ def run_benchmark(cfg: DictConfig, console: Console | None = None) -> Path:
     if cfg.plot and rows:
         title = (f"longseq.bench on {env['gpu'] or env['cpu']} ({device}, {env['torch_threads']} threads, "
                  f"torch {env['torch']}): B={cfg.batch} H={cfg.heads} D={cfg.head_dim} {cfg.dtype}, "
-                 f"causal={cfg.causal}; solid fwd, dashed fwd_bwd")
+                 f"causal={cfg.causal}")
         report.plot(rows, out / "plot.png", title)
 
     markdown = []
