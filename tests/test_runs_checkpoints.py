@@ -232,12 +232,11 @@ def test_a_full_disk_names_the_checkpoint_and_keeps_the_last_complete_one(make_c
                 disk.room = 4096
 
     cfg = make_cfg(["trainer.max_steps=6", "callbacks.model_checkpoint.every_n_train_steps=2"])
-    original = with_callback(cfg, FillDisk())
-    try:
-        with pytest.raises(OSError) as caught:
-            train(cfg)
-    finally:
-        runner.instantiate_group = original
+    original = runner.instantiate_group
+    monkeypatch.setattr(runner, "instantiate_group",
+                        lambda group: original(group) + ([FillDisk()] if group is cfg.get("callbacks") else []))
+    with pytest.raises(OSError) as caught:
+        train(cfg)
     last = tmp_path / "checkpoints" / "last.ckpt"
     assert error_summary(caught.value) == (f"error: {last}: could not write this checkpoint at step 4 (OSError: "
                                            "[Errno 28] No space left on device)")
