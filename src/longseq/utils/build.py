@@ -1,5 +1,5 @@
 """The task's LightningModule and datamodule from a composed config: what ``runner.train`` and ``eval.py`` run,
-and what the checks before a run build on the meta device (``checkpoint.check_ckpt_path``)."""
+and what the checks before a run build on the meta device (``checkpoint.check_model``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Checkpoint files: atomic writes, a readable check of ``ckpt_path``, and a match against the composed model.
 
 One home for "is this checkpoint usable?": ``train.py`` (before the run directory exists), ``runner.train``
-and ``eval.py`` all call ``check_ckpt_path`` / ``read_checkpoint`` / ``check_model_matches``; ``resolve_ckpt_path``
+and ``eval.py`` all call ``check_model`` / ``read_checkpoint`` / ``check_model_matches``; ``resolve_ckpt_path``
 turns a directory given as ``ckpt_path`` into its checkpoint.
 """
 
@@ -19,7 +19,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from omegaconf import DictConfig
 
 from longseq.utils.build import build_module
-from longseq.utils.errors import ConfigError
+from longseq.utils.errors import ConfigError, names_what_to_fix
 
 log = logging.getLogger(__name__)
 
@@ -189,22 +189,25 @@ def check_model_matches(state: dict[str, Any], model: torch.nn.Module, ckpt_path
     raise ConfigError(key, f"{ckpt_path} does not match the composed model ({'; '.join(parts)}){where}")
 
 
-def check_ckpt_path(cfg: DictConfig, key: str = "ckpt_path") -> None:
-    """``cfg.ckpt_path`` exists, loads and fits the composed model (built on the meta device: no memory).
+def check_model(cfg: DictConfig, key: str = "ckpt_path") -> None:
+    """The composed model builds (on the meta device: no memory), so the attention's, the backbone's and the
+    optimizer's settings are checked before anything is written; with ``cfg.ckpt_path``, that file exists, loads and
+    fits the model.
 
-    Raises ``ConfigError`` naming the file and, on a mismatch, the differing parameter keys and the producing
-    run's ``.hydra/overrides.yaml``. Nothing is written; ``train.py`` calls it before Hydra makes a run dir.
+    Raises ``ConfigError`` naming the file and, on a mismatch, the differing parameter keys and the producing run's
+    ``.hydra/overrides.yaml``; a build error that names its key passes through. A module that cannot be built without
+    its data (or on the meta device) is left to the run. Nothing is written; ``train.py`` calls it before Hydra makes
+    a run dir.
     """
     path = cfg.get(key)
-    if not path:
-        return
-    state = read_checkpoint(path, key)
+    state = read_checkpoint(path, key) if path else None
     try:
         with torch.device("meta"):
             module = build_module(cfg)
-    except ConfigError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a module that cannot be built without data: Lightning checks later
-        log.debug(f"ckpt_path: key check skipped, the model does not build on the meta device ({exc})")
+    except Exception as exc:  # noqa: BLE001 - sorted below: the user's settings now, the rest in the run
+        if names_what_to_fix(exc):
+            raise
+        log.debug(f"the model does not build on the meta device ({exc}); the run builds it ({key} checked there)")
         return
-    check_model_matches(state, module, path, key)
+    if state is not None:
+        check_model_matches(state, module, path, key)

@@ -15,7 +15,7 @@ import rich.tree
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from rich.console import Console
 
-from longseq.utils.checkpoint import check_ckpt_path
+from longseq.utils.checkpoint import check_model
 from longseq.utils.errors import ConfigError, name_user_key, names_what_to_fix
 
 log = logging.getLogger(__name__)
@@ -255,7 +255,7 @@ def check_run_config(cfg: DictConfig) -> None:
     check_partition_choice(cfg)
     check_task_geometry(cfg.task)
     check_batch_sizes(cfg, configured_world_size(cfg.trainer))
-    check_ckpt_path(cfg)
+    check_model(cfg)
 
 
 def check_before_run(cfg: DictConfig, check: Callable[[DictConfig], None]) -> None:
