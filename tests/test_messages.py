@@ -216,6 +216,9 @@ TRAIN_REFUSALS = [
                                       "be ignored"),
     pytest.param(["trainer=ddp_cpu", "task.batch_size=3"], "error: task.batch_size: 3 (global batch) must be a "
                                                            "positive multiple"),
+    # the model's own checks, on a model built on the meta device
+    pytest.param(["optimizer.lr=-1"], "error: optimizer.lr: must be a finite number in (0, inf), got -1"),
+    pytest.param(["attention=fnet"], "error: attention: 'fnet' cannot be causal (attention.causal=true)"),
 ]
 
 
