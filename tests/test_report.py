@@ -102,6 +102,7 @@ def test_train_records_completed_and_failed_runs(make_cfg, tmp_path: Path) -> No
     assert len(curves) >= 1 and curves["step"].is_monotonic_increasing
 
     failed_dir = tmp_path / "failed"
+    failed_dir.mkdir()  # a sweep job's directory, made by Hydra before the job runs (a single run is refused before)
     cfg = make_cfg(["attention=fixed", "attention.block_size=5"])  # 5 does not tile L = 64: fails at build
     cfg.paths.output_dir = str(failed_dir)
     with pytest.raises(Exception, match="block_size") as raised:
