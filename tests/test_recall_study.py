@@ -51,6 +51,11 @@ def test_every_arm_composes_and_builds_at_both_lengths(tmp_path):
             if arm.startswith("local"):
                 window = net.blocks[0].attn.attention.window
                 assert window == (length if arm == "local_long" else cfg.task.block_size)
+            # the short control trains to the cap; every other arm may stop early from min_steps on
+            assert (cfg.trainer.min_steps == cfg.trainer.max_steps) == (arm == "local_short")
+    wide = compose_config(["experiment=recall/mqar", "recall/arm=local_short", "task.num_pairs=32"], tmp_path,
+                          fast=False)
+    assert build_module(wide).net.blocks[0].attn.attention.window == 32  # the pair count, above block_size (16)
 
 
 def test_the_study_trains_to_a_plateau_and_seeds_the_data(tmp_path):
