@@ -17,8 +17,8 @@ import hydra
 import lightning as L
 import torch
 from hydra.errors import InstantiationException
-from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 from torchmetrics import Metric

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from omegaconf import OmegaConf
 
 from longseq.bench.specs import build_spec

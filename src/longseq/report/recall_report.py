@@ -65,7 +65,7 @@ class StudyRuns:
     settings: list[str]
 
     @classmethod
-    def load(cls, runs: list[RunRecord], settings: list[str]) -> "StudyRuns":
+    def load(cls, runs: list[RunRecord], settings: list[str]) -> StudyRuns:
         rows = []
         for run in runs:
             if run.status != "completed" or "test/acc" not in run.metrics:
