@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 
 import pytest
 from conftest import compose_config
@@ -92,6 +94,38 @@ def test_a_run_stopped_in_a_later_stage_keeps_the_earlier_stages_report(tmp_path
     assert results["training"] == [] and results["ddp"] == {"status": "not run yet"}
     assert "correctness" in results["env"]["stage_seconds"] and "training" not in results["env"]["stage_seconds"]
     assert "fixed float32 explicit: pass" in capsys.readouterr().out  # each row was logged as it ran
+
+
+def crash_in_fixed_correctness(cfg_yaml, device, kind, args, threads):
+    """A warm-up unit as ``gpu._warm_task``, except that checking ``fixed`` kills its process, as a segfault in a
+    compiler did on the H100 (2026-11-27: one dead worker broke the shared pool and every unit's rows were lost)."""
+    if kind == "correctness" and args[0] == "fixed":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return gpu._warm_task(cfg_yaml, device, kind, args, threads)
+
+
+def test_a_warm_up_unit_whose_process_dies_costs_only_itself(tmp_path, capsys):
+    """The dead unit is logged with its signal and checked again in the caller's process; the other units' rows and
+    compiles stand, and the dead one is not counted as compiled (so the timed stage compiles it untimed first)."""
+    cfg = gpu_check_config(tmp_path, ["dry=true", "workers=2", "correctness.attentions=[full,fixed]",
+                                      "correctness.dtypes=[float32]", "fig3.attentions=[full]", "fig3.shapes=[{batch: 1, heads: 2, head_dim: 8}]",
+                                      "profile.attentions=[full]", "train.geometries=[]"])
+    rows, compiled = gpu.warm_up(cfg, "cpu", task=crash_in_fixed_correctness)
+    assert [r["attention"] for r in rows] == sorted((r["attention"] for r in rows), key=["full", "fixed"].index)
+    assert {r["attention"] for r in rows} == {"full", "fixed"} and all(r["status"] in gpu.PASSED for r in rows)
+    assert compiled == {("correctness", ("full",)), ("fig3", ("full",)), ("profile", ("full", "none"))}
+    log = capsys.readouterr().out
+    assert "warm-up correctness ('fixed',): worker killed by SIGSEGV" in log
+    assert "fixed float32 explicit: pass" in log  # the rerun here
+
+
+def test_a_run_whose_correctness_rows_are_missing_does_not_pass(tmp_path, monkeypatch):
+    """No rows for a configured attention (a lost stage) is a failure, not an empty table read as all-passed."""
+    cfg = gpu_check_config(tmp_path, ["dry=true", "correctness.attentions=[full]", "fig3.attentions=[full]",
+                                      "profile.attentions=[full]", "train.geometries=[]", "ddp.cpu_processes=1"])
+    monkeypatch.setattr(gpu, "check_correctness", lambda cfg, device: [])
+    _, ok = gpu.run_gpu_check(cfg)
+    assert not ok
 
 
 @pytest.mark.parametrize("name", ["moba", "routing"])

@@ -22,6 +22,7 @@ import ctypes
 import math
 import multiprocessing as mp
 import resource
+import signal
 import statistics
 import time
 import traceback
@@ -234,11 +235,8 @@ def measure_cell(spec: CellSpec, report: Callable[[str, Any], None] = lambda kin
             result.ms = statistics.median(timed) * 1e3
             result.ms_min, result.ms_max = min(timed) * 1e3, max(timed) * 1e3
     except Exception as error:
-        status = "oom" if is_oom(error) else "error"
-        result = CellResult(status, note=f"{type(error).__name__}: {error}".splitlines()[0][:300])
-        if status == "error":
-            frame = traceback.extract_tb(error.__traceback__)[-1]
-            result.note += f" (at {Path(frame.filename).name}:{frame.lineno})"
+        oom = is_oom(error)
+        result = CellResult("oom" if oom else "error", note=error_text(error, where=not oom))
     if device.type == "cuda":
         result.peak_mem_mb = (torch.cuda.max_memory_allocated(device) - baseline) / 2**20
         del q, k, v, grad_out, attention
@@ -312,11 +310,56 @@ def run_isolated(spec: CellSpec, startup_timeout_s: float = 300.0) -> CellResult
     except EOFError:
         process.join()
         code = process.exitcode
-        if code == -9:
-            return CellResult("oom", note="worker killed by SIGKILL (out of memory)")
-        return CellResult("error", note=f"worker exited with code {code}")
+        return CellResult("oom" if code == -signal.SIGKILL else "error", note=exit_text(code))
     finally:
         receiver.close()
+
+
+def error_text(error: BaseException, where: bool = True) -> str:
+    """One line for a report: the exception's type and first line (300 characters at most), and where it was raised
+    (the file and line of the innermost frame)."""
+    text = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+    frame = traceback.extract_tb(error.__traceback__)[-1] if where and error.__traceback__ else None
+    return text + (f" (at {Path(frame.filename).name}:{frame.lineno})" if frame else "")
+
+
+def exit_text(code: int | None) -> str:
+    """Why a worker process ended without a result, from its exit code (negative: the signal that killed it)."""
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name
+        return f"worker killed by {name}" + (" (out of memory)" if -code == signal.SIGKILL else "")
+    return f"worker exited with code {code}"
+
+
+def _call(connection: Any, fn: Callable[..., Any], args: tuple) -> None:
+    try:
+        connection.send(("ok", fn(*args)))
+    except BaseException as error:  # never leave the parent waiting
+        connection.send(("error", error_text(error)))
+    connection.close()
+
+
+def call_isolated(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a fresh process (the forkserver's): its result, or a ``RuntimeError`` that says why there is
+    none (the exception's text and line, or the signal or exit code that ended the process), so a compiler that
+    crashes its process takes down one unit of work, not the caller or its other units. ``fn`` must be importable
+    by name and its result picklable."""
+    context = _context()
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_call, args=(sender, fn, args))  # not daemonic: inductor may start workers
+    process.start()
+    sender.close()
+    try:
+        status, value = receiver.recv()
+    except EOFError:
+        process.join()
+        raise RuntimeError(exit_text(process.exitcode)) from None
+    finally:
+        receiver.close()
+    process.join()
+    if status == "error":
+        raise RuntimeError(value)
+    return value
 
 
 # -- the hardware-independent column: tiles the flex backend's block masks visit ---------------------------
