@@ -108,12 +108,14 @@ def test_a_warm_up_unit_whose_process_dies_costs_only_itself(tmp_path, capsys):
     """The dead unit is logged with its signal and checked again in the caller's process; the other units' rows and
     compiles stand, and the dead one is not counted as compiled (so the timed stage compiles it untimed first)."""
     cfg = gpu_check_config(tmp_path, ["dry=true", "workers=2", "correctness.attentions=[full,fixed]",
-                                      "correctness.dtypes=[float32]", "fig3.attentions=[full]", "fig3.shapes=[{batch: 1, heads: 2, head_dim: 8}]",
-                                      "profile.attentions=[full]", "train.geometries=[]"])
+                                      "correctness.dtypes=[float32]", "fig3.attentions=[full]",
+                                      "fig3.shapes=[{batch: 1, heads: 2, head_dim: 8}]",
+                                      "profile.attentions=[full]", "train.attentions=[full]"])
     rows, compiled = gpu.warm_up(cfg, "cpu", task=crash_in_fixed_correctness)
     assert [r["attention"] for r in rows] == sorted((r["attention"] for r in rows), key=["full", "fixed"].index)
     assert {r["attention"] for r in rows} == {"full", "fixed"} and all(r["status"] in gpu.PASSED for r in rows)
-    assert compiled == {("correctness", ("full",)), ("fig3", ("full",)), ("profile", ("full", "none"))}
+    assert compiled == {("correctness", ("full",)), ("fig3", ("full",)), ("profile", ("full", "none")),
+                        ("train", ("full", 48, 4, "none"))}
     log = capsys.readouterr().out
     assert "warm-up correctness ('fixed',): worker killed by SIGSEGV" in log
     assert "fixed float32 explicit: pass" in log  # the rerun here

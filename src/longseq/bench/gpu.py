@@ -507,9 +507,9 @@ def train_cases(cfg: DictConfig) -> list[tuple[str, int, int, str]]:
             for name in _names(spec.attentions) for mode in compile_modes(spec.compile)]
 
 
-def run_training(cfg: DictConfig, device: str, flops: float | None) -> list[dict[str, Any]]:
+def run_training(cfg: DictConfig, device: str, flops: float | None, log: bool = True) -> list[dict[str, Any]]:
     """One row per attention, geometry and compile mode: tokens/s, peak memory (CUDA), MFU (where the device's peak
-    is known)."""
+    is known). ``log``: a line per row (off in the warm-up, whose steps share the GPU and time nothing)."""
     spec = cfg.train
     steps, warmup = int(spec.steps), int(spec.warmup)
     rows = []
@@ -536,8 +536,9 @@ def run_training(cfg: DictConfig, device: str, flops: float | None) -> list[dict
             del model
         except Exception as error:
             row.update(status="oom" if cells.is_oom(error) else "error", note=cells.error_text(error))
-        print(f"  train {name} L={seq_len} compile={compile_mode}: {row['status']} "
-              f"{_fmt(row.get('tokens_per_s'), ',.0f')} tokens/s {row['note'][:120]}", flush=True)
+        if log:
+            print(f"  train {name} L={seq_len} compile={compile_mode}: {row['status']} "
+                  f"{_fmt(row.get('tokens_per_s'), ',.0f')} tokens/s {row['note'][:120]}", flush=True)
         rows.append(row)
     return rows
 
@@ -567,11 +568,15 @@ def _warm_task(cfg_yaml: str, device: str, kind: str, args: tuple, threads: int)
     if kind == "fig3":
         cfg.fig3.attentions = [args[0]]
         cfg.fig3.repeats, cfg.fig3.warmup = 0, 1
+        errors = []
         for shape in cfg.fig3.shapes:
             for _, cell in fig3_cells(cfg, device, [args[0]], shape):
                 if isinstance(cell, cells.CellSpec):
-                    cells.measure_cell(dataclasses.replace(cell, budget_s=math.inf))
+                    result = cells.measure_cell(dataclasses.replace(cell, budget_s=math.inf))
+                    errors += [f"L={cell.length}: {result.note}"] if result.status == "error" else []
                     torch.cuda.empty_cache() if device.startswith("cuda") else None
+        if errors:  # logged as not compiled; the timed stage compiles it again and reports the row
+            raise RuntimeError("; ".join(errors))
         return []
     if kind == "profile":
         cfg.profile.repeats, cfg.profile.profiled = 1, 1
@@ -581,7 +586,9 @@ def _warm_task(cfg_yaml: str, device: str, kind: str, args: tuple, threads: int)
     cfg.train.attentions, cfg.train.compile = [name], [mode]
     cfg.train.geometries = [{"seq_len": seq_len, "block_size": block_size}]
     cfg.train.steps, cfg.train.warmup = 1, 2
-    run_training(cfg, device, None)
+    (row,) = run_training(cfg, device, None, log=False)
+    if row["status"] == "error":
+        raise RuntimeError(row["note"])
     return []
 
 
