@@ -56,6 +56,19 @@ def compose_config(overrides: list[str] | None = None, output_dir: Path | None =
     return cfg
 
 
+def pytest_configure(config):
+    """Under pytest-xdist, each worker's torch gets its share of the cores: with the default (every core) per worker,
+    two workers on two cores oversubscribe them, and each small op's parallel region waits for a thread the other
+    worker holds (8 ms for a (3, 64) linear layer on the loaded machine instead of microseconds)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # the processes a test starts (train.py, DDP ranks, notebooks)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny fp64 ops: thread start-up dominates on a loaded 2-core machine (seconds instead of ms)."""

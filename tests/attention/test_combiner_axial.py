@@ -458,7 +458,8 @@ def test_grid_flash_parts_gradcheck():
             weights = (keys @ qs[:, r, c].unsqueeze(-1)).squeeze(-1).softmax(-1)
             expected[:, r, c] = (weights.unsqueeze(-1) * values).sum(1)
     torch.testing.assert_close(run(q, k, v, sk, sv, ck, cv), expected, atol=1e-12, rtol=0)
-    assert torch.autograd.gradcheck(run, (q, k, v, sk, sv, ck, cv))
+    # fast mode (random projections of the Jacobian): the full one over 7 inputs took 50 s on the loaded 2-core machine
+    assert torch.autograd.gradcheck(run, (q, k, v, sk, sv, ck, cv), fast_mode=True)
 
 
 @pytest.mark.parametrize("cfg", POOLED_CONFIGS, ids=config_id)

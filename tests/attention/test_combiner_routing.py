@@ -204,7 +204,8 @@ def test_flash_path_gradcheck(name, L, K, block):
     finite differences, with routed, overflow, segment-0 and several-members-per-segment queries."""
     attn = build_attention(name, causal=True, n_clusters=K, block_size=block, n_heads=1, head_dim=4).double().eval()
     q, k, v = random_qkv(B=1, H=1, L=L, D=4, requires_grad=True, seed=5)
-    assert torch.autograd.gradcheck(attn, (q, k, v), eps=1e-6, atol=1e-6)
+    # fast mode (random projections of the Jacobian): the full one took 26 s for one case on the loaded 2-core machine
+    assert torch.autograd.gradcheck(attn, (q, k, v), eps=1e-6, atol=1e-6, fast_mode=True)
 
 
 @pytest.mark.parametrize("causal", [True, False])
