@@ -268,7 +268,7 @@ def _worker(spec: CellSpec, connection: Any) -> None:
     try:
         result = measure_cell(spec, report)
     except BaseException as error:  # never leave the parent waiting
-        result = CellResult("error", note=f"{type(error).__name__}: {error}".splitlines()[0])
+        result = CellResult("error", note=error_text(error, where=False))
     connection.send(("done", result.as_dict()))
     connection.close()
 
