@@ -118,8 +118,9 @@ def record(job: study.Job, status: str, acc: float | None = None, loss: float | 
 
 
 def test_status_lr_pick_and_the_rule(tmp_path, capsys):
-    """A completed job is skipped, a stopped one re-run, a failed one kept; per arm the best val/acc_best wins (ties:
-    the lower val/loss); the rule holds only when its rate is within the tolerance of every searched arm's best."""
+    """A completed job is skipped, a stopped one re-run, a failed one kept; per arm the rule's rate wins where it is
+    within the tolerance of the best val/acc_best, else the best (ties: the lower val/loss); the rule holds only when
+    its rate is within the tolerance of every searched arm's best."""
     jobs = study.stage_jobs("recall/mqar_lr", tmp_path)
     assert len(jobs) == 4 * 4 and {j.values["optimizer.lr"] for j in jobs} == {"3e-4", "1e-3", "3e-3", "1e-2"}
     by = {(j.arm, j.values["optimizer.lr"]): j for j in jobs}
@@ -130,12 +131,16 @@ def test_status_lr_pick_and_the_rule(tmp_path, capsys):
     record(by["fixed", "1e-3"], "failed", error="SystemExit: 1")  # Ctrl-C during fit, as Lightning reports it
     record(by["fixed", "3e-3"], "completed", 0.10, 4.0)
     record(by["fixed", "1e-2"], "completed", 0.20, 3.0)
-    assert study.pick_lrs(jobs) == {"full": 3e-3, "fixed": 1e-2}
+    assert study.pick_lrs(jobs, 5e-3, 0.0) == {"full": 3e-3, "fixed": 1e-2}  # the best; ties: the lower loss
+    record(by["full", "3e-4"], "completed", 0.995, 0.02)
+    assert study.pick_lrs(jobs, 3e-3, 0.02) == {"full": 3e-3, "fixed": 1e-2}  # 0.99 at the rule: within 0.02
+    assert study.pick_lrs(jobs, 3e-3, 0.0)["full"] == 3e-4
+    assert study.search_rule(jobs) == 3e-3
     assert [by["fixed", lr].status() for lr in ("3e-4", "1e-3", "3e-3")] == ["failed", "stopped", "completed"]
     holds, lines = study.rule_verdict(jobs, 3e-3, 0.02)
     assert not holds and any("fixed" in line and "does not hold" in line for line in lines)
     assert study.rule_verdict(jobs, 3e-3, 0.2)[0]
-    assert study.print_status({"recall/mqar_lr": jobs}) == 16 - 5
+    assert study.print_status({"recall/mqar_lr": jobs}) == 16 - 6
     assert "failed: " in capsys.readouterr().out
 
 
