@@ -33,7 +33,8 @@ def test_gradients_reach_inputs(name, causal):
 def test_trains_three_steps_on_digits(name, make_cfg):
     """``python train.py task=digits attention=<name> trainer.max_steps=3``, in process. Without the end-of-training
     sample grid: it took 3 of a run's 8 s, and every attention's decoding is checked in test_decoding.py."""
-    metrics = train(make_cfg([f"attention={name}", "trainer.max_steps=3", "test=false", "callbacks.samples.n_samples=0"]))
+    metrics = train(make_cfg([f"attention={name}", "trainer.max_steps=3", "test=false",
+                              "callbacks.samples.n_samples=0"]))
     assert 0 < metrics["val/bpd"] < 10
 
 

@@ -28,9 +28,9 @@ Compilation dominates a short lease (each variant, length and dtype compiles its
 process of its own (a compiler that crashes costs that unit only): the correctness rows come from them directly, and
 the timed stages then run alone in this process on inductor's on-disk caches.
 
-``preset=quick`` fits one H100 / H200 lease (about 8 minutes, compilation included: docs/gpu_check_h100.md); ``dry=true`` runs every stage
-on CPU at tiny sizes (``presets.dry``; DDP as gloo processes), so the pipeline is exercised by the fast suite. Exit
-status 1 when a correctness check or DDP fails.
+``preset=quick`` fits one H100 / H200 lease (about 8 minutes, compilation included: docs/gpu_check_h100.md);
+``dry=true`` runs every stage on CPU at tiny sizes (``presets.dry``; DDP as gloo processes), so the pipeline is
+exercised by the fast suite. Exit status 1 when a correctness check or DDP fails.
 """
 
 from __future__ import annotations
