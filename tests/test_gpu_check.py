@@ -7,6 +7,7 @@ import json
 import math
 import os
 import signal
+import time
 
 import pytest
 from conftest import compose_config
@@ -121,11 +122,58 @@ def test_a_warm_up_unit_whose_process_dies_costs_only_itself(tmp_path, capsys):
     assert "fixed float32 explicit: pass" in log  # the rerun here
 
 
+def hang_in_fixed_correctness(cfg_yaml, device, kind, args, threads):
+    """A warm-up unit as ``gpu._warm_task``, except that checking ``fixed`` outlasts any lease (a compile that hangs)."""
+    if kind == "correctness" and args[0] == "fixed":
+        time.sleep(600)
+    return gpu._warm_task(cfg_yaml, device, kind, args, threads)
+
+
+def test_a_warm_up_unit_still_running_at_the_time_limit_is_stopped(tmp_path, capsys):
+    """The hung unit's process is killed at the limit and its rows say time_limit (not checked again past the limit,
+    not lost); the unit that finished in time keeps its rows."""
+    cfg = gpu_check_config(tmp_path, ["dry=true", "workers=2", "correctness.attentions=[full,fixed]",
+                                      "correctness.dtypes=[float32]", "fig3.attentions=[full]",
+                                      "fig3.shapes=[{batch: 1, heads: 2, head_dim: 8}]",
+                                      "profile.attentions=[full]", "train.geometries=[]", "time_limit_s=8"])
+    assert gpu.warm_up_tasks(cfg)[:2] == [("correctness", ("full",)), ("correctness", ("fixed",))]  # stage order
+    rows, compiled = gpu.warm_up(cfg, "cpu", task=hang_in_fixed_correctness, limit=gpu.TimeLimit(8.0))
+    fixed = [r for r in rows if r["attention"] == "fixed"]
+    assert fixed and all(r["status"] == gpu.TIME_LIMIT for r in fixed)
+    assert [r["status"] for r in rows if r["attention"] == "full"] and all(
+        r["status"] in gpu.PASSED for r in rows if r["attention"] == "full")
+    assert ("correctness", ("fixed",)) not in compiled
+    assert "warm-up correctness ('fixed',): stopped after 8 s: its time limit" in capsys.readouterr().out
+
+
+def test_past_the_time_limit_every_stage_reports_what_it_left_out(tmp_path, capsys):
+    """A limit already past at the start: no unit runs, each stage's rows say time_limit, the report says how many
+    units were cut, and the check does not pass (nothing was verified)."""
+    cfg = gpu_check_config(tmp_path, ["dry=true", "correctness.attentions=[full,fixed]", "fig3.attentions=[full]",
+                                      "profile.attentions=[full]", "time_limit_s=0"])
+    out, ok = gpu.run_gpu_check(cfg)
+    assert not ok
+    results, text = read_results(out)
+    for section in gpu.SECTIONS:
+        assert section in text
+    rows = [*results["correctness"], *(r for table in results["fig3"] for r in table), *results["profile"],
+            *results["training"], results["ddp"]]
+    assert rows and all(r["status"] == gpu.TIME_LIMIT for r in rows)
+    assert {r["attention"] for r in results["correctness"]} == {"full", "fixed"}
+    assert f"{len(rows)} unit(s) of work not run: past time_limit_s=0" in text
+    assert f"{len(rows)} unit(s) not run" in capsys.readouterr().out
+
+
+def test_the_quick_preset_writes_its_report_within_a_short_lease(tmp_path):
+    cfg = gpu_check_config(tmp_path, ["preset=quick"])
+    assert 0 < cfg.time_limit_s <= 300 and cfg.workers > 1
+
+
 def test_a_run_whose_correctness_rows_are_missing_does_not_pass(tmp_path, monkeypatch):
     """No rows for a configured attention (a lost stage) is a failure, not an empty table read as all-passed."""
     cfg = gpu_check_config(tmp_path, ["dry=true", "correctness.attentions=[full]", "fig3.attentions=[full]",
                                       "profile.attentions=[full]", "train.geometries=[]", "ddp.cpu_processes=1"])
-    monkeypatch.setattr(gpu, "check_correctness", lambda cfg, device: [])
+    monkeypatch.setattr(gpu, "check_correctness", lambda cfg, device, limit: [])
     _, ok = gpu.run_gpu_check(cfg)
     assert not ok
 

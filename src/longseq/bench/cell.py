@@ -339,17 +339,21 @@ def _call(connection: Any, fn: Callable[..., Any], args: tuple) -> None:
     connection.close()
 
 
-def call_isolated(fn: Callable[..., Any], *args: Any) -> Any:
+def call_isolated(fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> Any:
     """``fn(*args)`` in a fresh process (the forkserver's): its result, or a ``RuntimeError`` that says why there is
-    none (the exception's text and line, or the signal or exit code that ended the process), so a compiler that
-    crashes its process takes down one unit of work, not the caller or its other units. ``fn`` must be importable
-    by name and its result picklable."""
+    none (the exception's text and line, the signal or exit code that ended the process, or ``timeout_s`` passed:
+    the process is then killed), so a compiler that crashes or outlasts its time takes down one unit of work, not
+    the caller or its other units. ``fn`` must be importable by name and its result picklable."""
     context = _context()
     receiver, sender = context.Pipe(duplex=False)
     process = context.Process(target=_call, args=(sender, fn, args))  # not daemonic: inductor may start workers
     process.start()
     sender.close()
     try:
+        if timeout_s is not None and not receiver.poll(max(timeout_s, 0.0)):
+            process.kill()
+            process.join()
+            raise RuntimeError(f"stopped after {timeout_s:.0f} s: its time limit")
         status, value = receiver.recv()
     except EOFError:
         process.join()

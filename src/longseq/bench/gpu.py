@@ -28,9 +28,11 @@ Compilation dominates a short lease (each variant, length and dtype compiles its
 process of its own (a compiler that crashes costs that unit only): the correctness rows come from them directly, and
 the timed stages then run alone in this process on inductor's on-disk caches.
 
-``preset=quick`` fits one H100 / H200 lease (about 8 minutes, compilation included: docs/gpu_check_h100.md);
-``dry=true`` runs every stage on CPU at tiny sizes (``presets.dry``; DDP as gloo processes), so the pipeline is
-exercised by the fast suite. Exit status 1 when a correctness check or DDP fails.
+``time_limit_s`` bounds the whole check (``TimeLimit``): past it nothing starts, a compiling warm-up unit is stopped,
+and what was left out reads ``time_limit``. ``preset=quick`` is the list for one H100 / H200 lease (about 8 minutes
+whole, compilation included: docs/gpu_check_h100.md), cut at 270 s; ``dry=true`` runs every stage on CPU at tiny
+sizes (``presets.dry``; DDP as gloo processes), so the pipeline is exercised by the fast suite. Exit status 1 when a
+correctness check or DDP fails or was left out.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 PASSED = ("pass", "pass*", "n/a")  # pass*: a pattern_from_data variant judged by its own attention_matrix
+TIME_LIMIT = "time_limit"  # the status of a unit of work the check's time_limit_s left out
 SECTIONS = ("## Device", "## Correctness", "## Fig. 3 benchmark", "## Where the time goes", "## Training", "## DDP")
 
 
@@ -97,6 +100,29 @@ def resolve_device(cfg: DictConfig) -> str:
         raise SystemExit("device=cuda but torch.cuda.is_available() is False: run on a CUDA machine, or dry=true "
                          "(the whole pipeline on CPU at tiny sizes)")
     return device
+
+
+@dataclasses.dataclass
+class TimeLimit:
+    """``time_limit_s`` of the check, counted from its start (None: no limit), so a short lease ends with a report:
+    past it no unit of work starts (a warm-up unit, a correctness attention, a Fig. 3 cell, a profiled layer, a
+    training row, DDP), a warm-up unit still compiling is stopped, and each unit left out is reported with the
+    status ``time_limit``."""
+
+    limit_s: float | None = None
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def left_s(self) -> float:
+        return math.inf if self.limit_s is None else self.limit_s - (time.perf_counter() - self.start)
+
+    def passed(self) -> bool:
+        return self.left_s() <= 0
+
+    def note(self) -> str:
+        return f"not run: past time_limit_s={self.limit_s:g}"
+
+
+NO_LIMIT = TimeLimit()
 
 
 def fresh_compiles(device: str) -> None:
@@ -157,8 +183,9 @@ def _forward_backward(attn, q, k, v, grad_out, seed: int, backward: bool) -> tup
     return out.detach(), {n: g for n, g in grads.items() if g is not None}
 
 
-def check_correctness(cfg: DictConfig, device: str) -> list[dict[str, Any]]:
-    """One row per (attention, dtype, backend): status pass / FAIL / n/a / error and the relative errors."""
+def check_correctness(cfg: DictConfig, device: str, limit: TimeLimit = NO_LIMIT) -> list[dict[str, Any]]:
+    """One row per (attention, dtype, backend): status pass / FAIL / n/a / error and the relative errors (one
+    ``time_limit`` row for an attention the time limit left out)."""
     from longseq.attention import AttentionConfigError
 
     spec_cfg = cfg.correctness
@@ -171,6 +198,9 @@ def check_correctness(cfg: DictConfig, device: str) -> list[dict[str, Any]]:
         spec = build_spec(name, L, causal=bool(spec_cfg.causal), n_heads=H, head_dim=D,
                           block_size=spec_cfg.block_size)
         base = {"attention": name, "causal": spec.causal}
+        if limit.passed():
+            rows.append({**base, "dtype": "-", "backend": "-", "status": TIME_LIMIT, "note": limit.note()})
+            continue
         if spec.skip_reason:
             rows.append({**base, "dtype": "-", "backend": "-", "status": "n/a", "note": spec.skip_reason})
             continue
@@ -303,7 +333,8 @@ def fig3_cells(cfg: DictConfig, device: str, names: list[str], shape) -> list[tu
     return out
 
 
-def run_fig3(cfg: DictConfig, device: str, compiled: set = frozenset()) -> list[list[dict[str, Any]]]:
+def run_fig3(cfg: DictConfig, device: str, compiled: set = frozenset(),
+             limit: TimeLimit = NO_LIMIT) -> list[list[dict[str, Any]]]:
     """One list of bench rows per shape (``fig3.shapes``), with ``ratio_to_full`` (the bench's cells and ratios).
     ``compiled``: the warm-up units that compiled (``warm_up``); an attention not among them compiles here first."""
     names = _names(cfg.fig3.attentions)
@@ -319,6 +350,8 @@ def run_fig3(cfg: DictConfig, device: str, compiled: set = frozenset()) -> list[
                 result = cell
             elif key in stopped:
                 result = stopped[key]
+            elif limit.passed():
+                result = cells.CellResult(TIME_LIMIT)
             else:
                 if device.startswith("cuda") and ("fig3", (row["attention"],)) not in compiled:
                     # one untimed cell first: compilation for this shape happens there, not in the timed cell's first
@@ -429,11 +462,15 @@ def profile_layer(cfg: DictConfig, name: str, compile_mode: str, device: str) ->
     return row
 
 
-def run_profile(cfg: DictConfig, device: str) -> list[dict[str, Any]]:
+def run_profile(cfg: DictConfig, device: str, limit: TimeLimit = NO_LIMIT) -> list[dict[str, Any]]:
     """``profile_layer`` for every attention of ``profile.attentions`` and compile mode of ``profile.compile``."""
     rows = []
     for name in _names(cfg.profile.attentions):
         for compile_mode in compile_modes(cfg.profile.compile):
+            if limit.passed():
+                rows.append({"attention": name, "compile": compile_mode, "length": int(cfg.profile.length),
+                             "status": TIME_LIMIT, "note": ""})
+                continue
             fresh_compiles(device)
             try:
                 rows.append(profile_layer(cfg, name, compile_mode, device))
@@ -507,7 +544,8 @@ def train_cases(cfg: DictConfig) -> list[tuple[str, int, int, str]]:
             for name in _names(spec.attentions) for mode in compile_modes(spec.compile)]
 
 
-def run_training(cfg: DictConfig, device: str, flops: float | None, log: bool = True) -> list[dict[str, Any]]:
+def run_training(cfg: DictConfig, device: str, flops: float | None, log: bool = True,
+                 limit: TimeLimit = NO_LIMIT) -> list[dict[str, Any]]:
     """One row per attention, geometry and compile mode: tokens/s, peak memory (CUDA), MFU (where the device's peak
     is known). ``log``: a line per row (off in the warm-up, whose steps share the GPU and time nothing)."""
     spec = cfg.train
@@ -519,6 +557,9 @@ def run_training(cfg: DictConfig, device: str, flops: float | None, log: bool = 
         row: dict[str, Any] = {"attention": name, "seq_len": seq_len, "compile": compile_mode, "batch": int(spec.batch),
                                "status": "ok", "note": "", "tokens_per_s": math.nan, "peak_mem_mb": math.nan,
                                "mfu": math.nan}
+        if limit.passed():
+            rows.append({**row, "status": TIME_LIMIT})
+            continue
         try:
             fresh_compiles(device)
             model = _model(spec, name, device, seq_len, block_size)
@@ -546,13 +587,15 @@ def run_training(cfg: DictConfig, device: str, flops: float | None, log: bool = 
 # -- compiling ahead, in parallel ------------------------------------------------------------------------------
 def warm_up_tasks(cfg: DictConfig) -> list[tuple[str, tuple]]:
     """The units of compile work of every stage: a correctness attention, a Fig. 3 attention, a profiled attention
-    and mode, a training row. Heavy ones first, so the pool ends together."""
+    and mode, a training row. Heavy ones first, so the pool ends together; under a time limit in the stages' order
+    instead, so what the limit cuts is what would have run last."""
     tasks = [("correctness", (name,)) for name in _names(cfg.correctness.attentions)]
     tasks += [("fig3", (name,)) for name in _names(cfg.fig3.attentions)]
     tasks += [("profile", (name, mode)) for name in _names(cfg.profile.attentions) for mode in compile_modes(cfg.profile.compile)]
     tasks += [("train", case) for case in train_cases(cfg)]
-    weight = {"train": 0, "fig3": 1, "profile": 2, "correctness": 3}
-    return sorted(tasks, key=lambda task: weight[task[0]])
+    heavy_first = ("train", "fig3", "profile", "correctness")
+    order = heavy_first if cfg.get("time_limit_s") is None else heavy_first[::-1]
+    return sorted(tasks, key=lambda task: order.index(task[0]))
 
 
 def _warm_task(cfg_yaml: str, device: str, kind: str, args: tuple, threads: int) -> list[dict[str, Any]]:
@@ -592,11 +635,20 @@ def _warm_task(cfg_yaml: str, device: str, kind: str, args: tuple, threads: int)
     return []
 
 
-def warm_up(cfg: DictConfig, device: str, task: Callable[..., list] = _warm_task) -> tuple[list[dict[str, Any]], set]:
+def _unit_within(limit: TimeLimit, task: Callable[..., list], *args: Any) -> list[dict[str, Any]]:
+    """One warm-up unit in a process of its own, stopped at the time limit (not started past it)."""
+    if limit.passed():
+        raise RuntimeError(limit.note())
+    return cells.call_isolated(task, *args, timeout_s=None if limit.limit_s is None else limit.left_s())
+
+
+def warm_up(cfg: DictConfig, device: str, task: Callable[..., list] = _warm_task,
+            limit: TimeLimit = NO_LIMIT) -> tuple[list[dict[str, Any]], set]:
     """Every stage's compilation in ``workers`` processes at once (``warm_up_tasks``), each unit in a fresh process
     of its own -> (the correctness rows in the configured order, the units that compiled). A unit that fails or
     whose process dies (a compiler's segfault) is logged with the reason and costs only itself: its correctness
-    rows are checked again here, in this process, and the timed stages compile what did not (``run_fig3``)."""
+    rows are checked again here, in this process, and the timed stages compile what did not (``run_fig3``). Past
+    the time limit no unit starts and a running one is stopped; its correctness rows say ``time_limit``."""
     import concurrent.futures
 
     workers = int(cfg.workers)
@@ -606,15 +658,16 @@ def warm_up(cfg: DictConfig, device: str, task: Callable[..., list] = _warm_task
     compiled: set[tuple[str, tuple]] = set()
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        futures = {pool.submit(cells.call_isolated, task, cfg_yaml, device, kind, args, threads): (kind, args)
+        futures = {pool.submit(_unit_within, limit, task, cfg_yaml, device, kind, args, threads): (kind, args)
                    for kind, args in warm_up_tasks(cfg)}
         for future in concurrent.futures.as_completed(futures):
             kind, args = futures[future]
             try:
                 result = future.result()
             except RuntimeError as error:
-                print(f"  warm-up {kind} {args}: {error} ({time.perf_counter() - start:.0f} s; the stage "
-                      f"{'checks it here' if kind == 'correctness' else 'compiles it'})", flush=True)
+                then = "the time limit is past" if limit.passed() else (
+                    f"the stage {'checks it here' if kind == 'correctness' else 'compiles it'}")
+                print(f"  warm-up {kind} {args}: {error} ({time.perf_counter() - start:.0f} s; {then})", flush=True)
                 continue
             compiled.add((kind, args))
             done = f"compiled ({time.perf_counter() - start:.0f} s)"
@@ -626,7 +679,7 @@ def warm_up(cfg: DictConfig, device: str, task: Callable[..., list] = _warm_task
     names = _names(cfg.correctness.attentions)
     for name in (n for n in names if n not in rows):
         rerun = OmegaConf.merge(cfg, {"correctness": {"attentions": [name]}})
-        rows[name] = [row for row in check_correctness(rerun, device) if row["attention"] == name]
+        rows[name] = [row for row in check_correctness(rerun, device, limit) if row["attention"] == name]
     return [row for name in names for row in rows[name]], compiled
 
 
@@ -673,7 +726,7 @@ def _ddp_worker(rank: int, world: int, port: int, cfg_yaml: str, device_type: st
         dist.destroy_process_group()
 
 
-def run_ddp(cfg: DictConfig, device: str, out: Path) -> dict[str, Any]:
+def run_ddp(cfg: DictConfig, device: str, out: Path, limit: TimeLimit = NO_LIMIT) -> dict[str, Any]:
     """DDP over every visible GPU (>= 2), or ``ddp.cpu_processes`` gloo processes on CPU; a status row otherwise."""
     import torch.multiprocessing as mp
 
@@ -683,6 +736,8 @@ def run_ddp(cfg: DictConfig, device: str, out: Path) -> dict[str, Any]:
             return {"status": "skipped", "note": f"{world} GPU visible (DDP needs >= 2)"}
     else:
         world, device_type = int(cfg.ddp.cpu_processes), "cpu"
+    if limit.passed():
+        return {"status": TIME_LIMIT, "note": limit.note()}
     out_file = out / "ddp.json"
     args = (world, _free_port(), OmegaConf.to_yaml(cfg), device_type, str(out_file))
     try:
@@ -757,6 +812,9 @@ def write_report(out: Path, cfg: DictConfig, env: dict[str, Any], correctness: l
     lines = [f"# longseq gpu-check{' (dry: CPU, tiny sizes)' if cfg.dry else ''}", "",
              "## Device", ""]
     lines += [f"- {key}: {value}" for key, value in env.items()]
+    cut = units_cut(correctness, fig3, profile, training, ddp)
+    if cut:
+        lines.append(f"- **{cut} unit(s) of work not run: past time_limit_s={cfg.time_limit_s:g}** (status time_limit)")
     lines += [f"- peak bf16 FLOP/s used for MFU: {_fmt(flops, '.3g') or 'unknown device: MFU omitted'}", "",
               "## Correctness", "",
               f"Every attention x backend x dtype against the explicit backend in fp64 on the same device "
@@ -816,6 +874,8 @@ def run_gpu_check(cfg: DictConfig) -> tuple[Path, bool]:
     env["triton"] = report._version("triton")  # FlexAttention's kernels are generated Triton
     env["cudnn"] = torch.backends.cudnn.version() if torch.cuda.is_available() else None
     env["backends"] = ", ".join(backends())
+    limit = TimeLimit(cfg.get("time_limit_s"))
+    env["time_limit_s"] = limit.limit_s
     flops = peak_flops(env.get("gpu")) if device.startswith("cuda") else None
     print(f"gpu-check on {env['gpu'] or env['cpu']} ({device}) -> {out}", flush=True)
     stages: dict[str, float] = {}
@@ -836,25 +896,33 @@ def run_gpu_check(cfg: DictConfig) -> tuple[Path, bool]:
     if int(cfg.workers) > 1:  # every stage's compilation at once; the correctness rows come from it
 
         def correctness_and_compilation() -> list[dict[str, Any]]:
-            rows, units = warm_up(cfg, device)
+            rows, units = warm_up(cfg, device, limit=limit)
             compiled.update(units)
             return rows
 
         stage("correctness", "correctness and compilation in parallel", correctness_and_compilation)
     else:
-        stage("correctness", "correctness", check_correctness, cfg, device)
-    stage("fig3", "Fig. 3 benchmark", run_fig3, cfg, device, compiled)
-    stage("profile", "where the time goes", run_profile, cfg, device)
-    stage("training", "training", run_training, cfg, device, flops)
-    stage("ddp", "DDP", run_ddp, cfg, device, out)
+        stage("correctness", "correctness", check_correctness, cfg, device, limit)
+    stage("fig3", "Fig. 3 benchmark", run_fig3, cfg, device, compiled, limit)
+    stage("profile", "where the time goes", run_profile, cfg, device, limit)
+    stage("training", "training", run_training, cfg, device, flops, True, limit)
+    stage("ddp", "DDP", run_ddp, cfg, device, out, limit)
     correctness, ddp = done["correctness"], done["ddp"]
     text = (out / "report.md").read_text()
-    checked = {r["attention"] for r in correctness}
+    checked = {r["attention"] for r in correctness if r["status"] != TIME_LIMIT}
     ok = (checked >= set(_names(cfg.correctness.attentions)) and all(r["status"] in PASSED for r in correctness)
           and ddp["status"] in ("pass", "skipped"))
+    cut = units_cut(**done)
     print(text, flush=True)
-    print(f"wrote {out}/report.md, results.json; {'all checks passed' if ok else 'SOME CHECKS FAILED'}", flush=True)
+    print(f"wrote {out}/report.md, results.json; {'all checks passed' if ok else 'SOME CHECKS FAILED OR NOT RUN'}"
+          + (f"; {cut} unit(s) not run: past time_limit_s={limit.limit_s:g}" if cut else ""), flush=True)
     return out, ok
+
+
+def units_cut(correctness: list, fig3: list, profile: list, training: list, ddp: dict[str, Any]) -> int:
+    """Units of work (rows, cells, DDP) the time limit left out of a check's results."""
+    rows = [*correctness, *(r for table in fig3 for r in table), *profile, *training, ddp]
+    return sum(r.get("status") == TIME_LIMIT for r in rows)
 
 
 def prepare(cfg: DictConfig, overrides: list[str]) -> DictConfig:
