@@ -273,6 +273,22 @@ def test_a_setting_whose_controls_fail_is_not_trained(tmp_path, broken):
     assert "| combiner_fixed | not trained |" in table and "| controls | FAIL: " in table
 
 
+def test_a_figure_panel_whose_controls_fail_says_not_trained(tmp_path, monkeypatch):
+    """The figures show every setting, and the panel of one whose controls fail is titled as not trained."""
+    trained_setting(tmp_path / "runs", L=64, D=4, full=0.6)
+    trained_setting(tmp_path / "runs", L=128, D=8, short_beyond=0.1)
+    runs = load(tmp_path / "runs")
+    untrained = rr.untrained_settings(runs, PLAN["controls"], "distance")
+    assert len(untrained) == 1 and len(runs.groups()) == 2
+    titles = []
+    finish = rr._finish
+    monkeypatch.setattr(rr, "_finish", lambda fig, axes, used, path, ylabel: (
+        titles.extend(ax.get_title() for ax in axes[:used]), finish(fig, axes, used, path, ylabel))[1])
+    rr.draw_accuracy(runs, tmp_path / "a.png", untrained)
+    (marked,) = [t for t in titles if "NOT TRAINED" in t]
+    assert runs.setting_label(next(iter(untrained))) in marked
+
+
 def test_breakdown_pools_questions_over_seeds_and_curves_keep_every_run(tmp_path):
     for seed, (a, n) in enumerate(((1.0, 10), (0.0, 30)), start=1):
         fake_run(tmp_path, "full", seed, 0.5, {"4-7": (a, n)}, curve=(0.1 * seed, 0.2 * seed, 0.3 * seed))

@@ -230,6 +230,11 @@ def lookup(table: pd.DataFrame, keys: list[str], arm: str, setting: tuple) -> pd
     return None if match.empty else match.iloc[0]
 
 
+def untrained_settings(study: StudyRuns, controls: dict, breakdown: str) -> frozenset:
+    """The settings whose controls fail (``judge_controls``): reported as not trained, in tables and figures."""
+    return frozenset(s for s in study.groups() if not judge_controls(study, s, controls, breakdown).trained)
+
+
 def main_table(study: StudyRuns, controls: dict, breakdown: str, arm_order: list[str]) -> str:
     """Test accuracy, mean ± 95 % t half-width (seeds), a row per arm and a column per setting, then the floor row
     and the controls row; a setting whose controls fail holds "not trained"."""
@@ -345,9 +350,10 @@ def _finish(fig, axes, used: int, path: Path, ylabel: str) -> Path:
     return path
 
 
-def draw_panels(study: StudyRuns, path: Path, ylabel: str, draw) -> Path | None:
+def draw_panels(study: StudyRuns, path: Path, ylabel: str, draw, untrained: frozenset = frozenset()) -> Path | None:
     """One panel per setting, ``draw(ax, setting)`` filling it; each panel gets the setting's floor (dashed), its
-    title and a 0-1 accuracy axis."""
+    title and a 0-1 accuracy axis. The panels of ``untrained`` settings (controls failed) say so in red: what they
+    show is not a result."""
     settings = study.groups()
     if not settings:
         return None
@@ -355,7 +361,10 @@ def draw_panels(study: StudyRuns, path: Path, ylabel: str, draw) -> Path | None:
     for ax, setting in zip(axes, settings):
         draw(ax, setting)
         floor_line(ax, study.floor(setting))
-        ax.set_title(study.setting_label(setting), fontsize=8)
+        title = study.setting_label(setting)
+        if setting in untrained:
+            title += f"\n{NOT_TRAINED.upper()}: its controls fail"
+        ax.set_title(title, fontsize=8, color="tab:red" if setting in untrained else "black")
         ax.set_ylim(0, 1.02)
     return _finish(fig, axes, len(settings), path, ylabel)
 
@@ -370,19 +379,22 @@ def bucket_order(buckets, kind: str) -> list[str]:
     return sorted(set(buckets), key=key)
 
 
-def draw_accuracy(study: StudyRuns, path: Path) -> Path | None:
-    """Test accuracy per arm (bars with 95 % t intervals), one panel per setting, the floor dashed."""
+def draw_accuracy(study: StudyRuns, path: Path, untrained: frozenset = frozenset()) -> Path | None:
+    """Test accuracy per arm (bars with 95 % t intervals), one panel per setting, the floor dashed; an ``untrained``
+    setting's bars grey."""
     table = summary(study)
 
     def draw(ax, setting: tuple) -> None:
         part = table[setting_mask(table, study.settings, setting)].sort_values("mean", ascending=False)
-        ax.bar(range(len(part)), part["mean"], yerr=part["half"].fillna(0), color="tab:blue", capsize=2)
+        colour = "lightgrey" if setting in untrained else "tab:blue"
+        ax.bar(range(len(part)), part["mean"], yerr=part["half"].fillna(0), color=colour, capsize=2)
         ax.set_xticks(range(len(part)), part["arm"], rotation=70, fontsize=7)
 
-    return draw_panels(study, path, "test accuracy", draw)
+    return draw_panels(study, path, "test accuracy", draw, untrained)
 
 
-def draw_breakdown(study: StudyRuns, frame: pd.DataFrame, kind: str, path: Path) -> Path | None:
+def draw_breakdown(study: StudyRuns, frame: pd.DataFrame, kind: str, path: Path,
+                   untrained: frozenset = frozenset()) -> Path | None:
     """Accuracy against the bucket (MQAR: question-to-key distance; needle: depth), one panel per setting, a line per
     arm, the floor dashed."""
     if frame.empty:
@@ -399,10 +411,10 @@ def draw_breakdown(study: StudyRuns, frame: pd.DataFrame, kind: str, path: Path)
         ax.set_xticks(range(len(order)), order, rotation=45, fontsize=7)
         ax.set_xlabel("question-to-key distance (tokens)" if kind == "distance" else "needle depth")
 
-    return draw_panels(study, path, f"test accuracy by {kind}", draw)
+    return draw_panels(study, path, f"test accuracy by {kind}", draw, untrained)
 
 
-def draw_curves(study: StudyRuns, curves: pd.DataFrame, path: Path) -> Path | None:
+def draw_curves(study: StudyRuns, curves: pd.DataFrame, path: Path, untrained: frozenset = frozenset()) -> Path | None:
     """Validation accuracy against steps, one panel per setting, a line per run (colour: arm), the floor dashed."""
     if curves.empty:
         return None
@@ -416,4 +428,4 @@ def draw_curves(study: StudyRuns, curves: pd.DataFrame, path: Path) -> Path | No
                     **style)
         ax.set_xlabel("optimizer step")
 
-    return draw_panels(study, path, "validation accuracy", draw)
+    return draw_panels(study, path, "validation accuracy", draw, untrained)

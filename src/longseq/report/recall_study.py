@@ -380,9 +380,10 @@ def write_report(task: str, root: Path, stages: dict[str, list[Job]], plan: dict
     breakdown, curves = rr.breakdown_frame(study, kind), rr.curves_frame(study)
     breakdown.to_csv(root / f"by_{kind}.csv", index=False)
     curves.to_csv(root / "curves.csv", index=False)
-    drawn = [rr.draw_accuracy(study, root / "accuracy.png"),
-             rr.draw_breakdown(study, breakdown, kind, root / f"by_{kind}.png"),
-             rr.draw_curves(study, curves, root / "curves.png")]
+    untrained = rr.untrained_settings(study, plan["controls"], kind)
+    drawn = [rr.draw_accuracy(study, root / "accuracy.png", untrained),
+             rr.draw_breakdown(study, breakdown, kind, root / f"by_{kind}.png", untrained),
+             rr.draw_curves(study, curves, root / "curves.png", untrained)]
     for path in filter(None, drawn):
         if figures is not None:
             figures.mkdir(parents=True, exist_ok=True)
