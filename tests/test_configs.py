@@ -213,6 +213,18 @@ def test_model_compile_compiles_the_backbone_in_place(tmp_path):
                                                                          tmp_path)).state_dict())
 
 
+@pytest.mark.parametrize("hook", ["on_fit_start", "on_validation_start", "on_test_start", "on_predict_start"])
+def test_model_compile_prepares_the_flex_layouts_before_the_first_traced_step(tmp_path, hook):
+    """Every entry point's start hook builds the layers' static flex layouts on the module's device when the backbone
+    is compiled (tests/attention/test_flex.py: the first trace is then one graph), and nothing when it is not."""
+    overrides = ["attention=combiner_fixed", "attention.backend=flex"]
+    for compiled in (False, True):
+        module = build_module(compose_config(overrides + [f"model.compile={str(compiled).lower()}"], tmp_path))
+        getattr(module, hook)()
+        layouts = [block.attn.attention.flex_layouts for block in module.net.blocks]
+        assert all(layouts) if compiled else not any(layouts)
+
+
 def test_model_compile_must_be_a_boolean(tmp_path):
     with pytest.raises(ConfigError, match="model.compile: must be true or false"):
         build_module(compose_config(["model.compile=yes"], tmp_path))

@@ -327,9 +327,12 @@ TRAINING_TRACE = [pytest.param(name, causal, marks=() if ATTENTION_REGISTRY[name
 def test_a_training_step_compiles_as_one_graph_through_aot_autograd(name, causal, monkeypatch):
     """The layer with gradients as the GPU compiles it (``fullgraph=True``; AOT autograd traces the forward and the
     backward of every hand-written autograd Function, with the kernels a GPU runs; the flex calls a dense stand-in;
-    evaluation mode keeps the k-means centroids still): outputs and gradients equal the eager layer's. torch 2.11 failed here on CUDA where ``explain`` under no_grad
-    passed (an untraceable builtin inside a Function's autocast wrapper)."""
+    evaluation mode keeps the k-means centroids still): outputs and gradients equal the eager layer's, and a second
+    call runs the same graph. torch 2.11 failed here on CUDA where ``explain`` under no_grad passed (an untraceable
+    builtin inside a Function's autocast wrapper); the k-means layouts once recompiled at every call (a traced
+    counter of block-mask builds was a guard on its value)."""
     import torch._dynamo
+    from torch._dynamo.utils import counters
 
     from longseq.attention.ops import clustering, running_max
 
@@ -341,15 +344,84 @@ def test_a_training_step_compiles_as_one_graph_through_aot_autograd(name, causal
     layout = None if attn.flex_from_data else static_layout(attn, L, torch.device("cpu"), tile,
                                                             per_batch=attn.flex_selects)
     torch._dynamo.reset()
+    counters.clear()
     compiled = torch.compile(engine.run_layer, fullgraph=True, dynamic=False, backend="aot_eager")
     results = []
-    for run in (compiled, engine.run_layer):
+    for run in (compiled, engine.run_layer, compiled):
         q, k, v = random_qkv(L=L, dtype=torch.float32, seed=16, requires_grad=True)
         out = run(attn, layout, q, k, v, None, tile)
         results.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
+    assert counters["stats"]["unique_graphs"] == 1
     torch._dynamo.reset()
-    for got, want in zip(*results):
+    for got, want in zip(*results[:2]):
         torch.testing.assert_close(got, want)
+
+
+def compiled_backbone_steps(name: str, causal: bool, prepare: bool, monkeypatch, steps: int = 2):
+    """``model.compile=true`` as the task runs it, on CPU: a 2-layer backbone on the flex backend (its calls a dense
+    stand-in, so flex may run with gradients here), its layouts prepared first (``prepare``), compiled whole with
+    ``fullgraph=True`` (``aot_eager``: dynamo and AOT autograd, as on a GPU), ``steps`` training steps -> the loss and
+    gradients of each step (compiled, then eager), and the number of graphs dynamo compiled."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from longseq.attention.ops import dispatch
+    from longseq.bench.specs import build_spec
+    from longseq.models.transformer import Transformer
+
+    monkeypatch.setattr(engine, "flex_call", dense_flex)
+    allowed = dispatch.call_reason
+    monkeypatch.setattr(dispatch, "call_reason", lambda backend, variant, facts:
+                        None if backend == "flex" else allowed(backend, variant, facts))
+    spec = build_spec(name, L, causal=causal, n_heads=2, head_dim=8, block_size=BLOCK)
+    attention = {key: value for key, value in spec.kwargs.items() if key not in {"seq_len", "n_heads", "head_dim", "dropout"}}
+    torch.manual_seed(0)
+    model = Transformer(vocab_size=16, seq_len=L, n_layers=2, d_model=16, n_heads=2, mlp_ratio=2, dropout=0.0,
+                        attn_dropout=0.0, attention={"name": name, **attention, "backend": "flex"}, pos_emb="learned",
+                        image_shape=None).eval()  # eval: the k-means centroids stay still, so steps compare
+    block_masks._REGISTRY.clear()
+    if prepare:
+        cls = ATTENTION_REGISTRY[name].cls  # per layer: unpadded, and padded where it takes padding; none from data
+        assert model.prepare_flex_layouts("cpu") == (0 if cls.flex_from_data else 2 * (1 + cls.supports_padding_mask))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, fullgraph=True, dynamic=False, backend="aot_eager")
+    results = []
+    for step in range(steps):
+        tokens = torch.randint(0, 16, (2, L), generator=torch.Generator().manual_seed(step))
+        for run in (compiled, model):
+            model.zero_grad()
+            loss = run(tokens).float().square().mean()
+            loss.backward()
+            results.append((loss.detach(), *(p.grad.clone() for p in model.parameters() if p.grad is not None)))
+    graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    return results, graphs
+
+
+# a static layout, a k-means one (built in the graph) and a selecting one in the fast suite; seconds each
+BACKBONE_FAST = {"combiner_fixed", "combiner_routing", "combiner_select"}
+BACKBONE_TRACE = [pytest.param(name, causal, marks=() if name in BACKBONE_FAST else pytest.mark.slow)
+                  for name, causal, padding in TRACE_FAST]
+
+
+@pytest.mark.parametrize("name,causal", BACKBONE_TRACE)
+def test_a_compiled_backbone_is_one_graph_from_its_first_step(name, causal, monkeypatch):
+    """``model.compile=true`` (``Transformer.prepare_flex_layouts`` first, as the task's start hooks call it): the whole
+    backbone traces as one graph at the first step (``fullgraph=True`` raises at any break), is not compiled again
+    at the second step, and gives the eager backbone's loss and gradients."""
+    results, graphs = compiled_backbone_steps(name, causal, True, monkeypatch)
+    assert graphs == 1  # compiled once: no recompile at step 2
+    for compiled_step, eager_step in zip(results[::2], results[1::2]):
+        for got, want in zip(compiled_step, eager_step):
+            torch.testing.assert_close(got, want)
+
+
+def test_an_unprepared_compiled_backbone_breaks_its_graph_at_the_layout_build(monkeypatch):
+    """Why the preparation exists: without it, the first trace reaches the block-mask build (kept eager), which
+    ``fullgraph=True`` refuses (without fullgraph: a graph break, then a recompile at the next step)."""
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="torch.compiler.disable"):
+        compiled_backbone_steps("combiner_fixed", True, False, monkeypatch, steps=1)
 
 
 def test_the_check_catches_host_reads():

@@ -246,8 +246,8 @@ class Attention(nn.Module):
         """The backend that computes this call (``ops.dispatch.choose``) of unscaled ``(B, H, L, D)`` q, k, v.
 
         Raises ``AttentionConfigError`` when a backend asked for by name cannot run it. ``record``: remember the
-        choice in ``backends_used`` (also under ``torch.compile``: a dict update dynamo replays) and log it once per
-        run (not while ``torch.compile`` traces: logging would break the graph).
+        choice in ``backends_used`` (``_record_choice``, also under ``torch.compile``) and log it once per run (not
+        while ``torch.compile`` traces).
         """
         facts = dispatch.Facts(
             device=q.device.type,
@@ -265,8 +265,8 @@ class Attention(nn.Module):
         if choice.backend is None:
             raise AttentionConfigError(f"attention '{self.name}': {choice.refusal}")
         if record:
-            self.backends_used.setdefault(choice.backend, self.backend)
-            if not torch.compiler.is_compiling():
+            _record_choice(self, choice.backend)
+            if not torch.compiler.is_compiling():  # traced, logging would break the graph
                 dispatch.log_choice(self.name, self.backend, facts, choice)
         return choice.backend
 
@@ -355,3 +355,12 @@ def _dispatching(forward):
 
     dispatched.dispatches = True
     return dispatched
+
+
+@torch.compiler.assume_constant_result
+def _record_choice(attn: Attention, backend: str) -> bool:
+    """Remembers that ``attn`` ran on ``backend`` (``backends_used``). Under ``torch.compile`` dynamo runs this while
+    it traces (``assume_constant_result``): once per compiled graph, whose choice it is, with no guard on the dict. A
+    traced dict update recompiled the whole backbone at its second step (the guard had seen the dict empty)."""
+    attn.backends_used.setdefault(backend, attn.backend)
+    return True

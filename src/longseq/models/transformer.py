@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from longseq.attention import build_attention
+from longseq.attention.ops import dispatch
 from longseq.models.layer_plan import layer_errors, layer_specs
 from longseq.utils.errors import ConfigError
 
@@ -315,6 +316,13 @@ class Transformer(nn.Module):
     def layer_names(self) -> list[str]:
         """The registry name of each layer's attention, bottom first."""
         return [block.attn.attention.name for block in self.blocks]
+
+    def prepare_flex_layouts(self, device: torch.device | str) -> int:
+        """Before ``torch.compile`` traces this backbone (``model.compile=true``): every layer's static flex layout at
+        ``seq_len`` on ``device`` (``ops.dispatch.prepare_flex``), so the first trace is one graph and the second
+        step does not recompile. Returns how many layouts it looked up."""
+        device = torch.device(device)
+        return sum(dispatch.prepare_flex(block.attn.attention, self.seq_len, device) for block in self.blocks)
 
     def positions(self, length: int, start: int = 0) -> torch.Tensor | float:
         """(length, d_model) position embeddings of positions ``start .. start + length - 1`` (or 0.0)."""

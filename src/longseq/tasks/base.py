@@ -150,6 +150,25 @@ class SequenceTask(L.LightningModule):
         if self.compile_backbone and self.net._compiled_call_impl is None:
             self.net.compile(**compile_options(self.compile_mode))
 
+    def on_fit_start(self) -> None:
+        self._prepare_compiled_backbone()
+
+    def on_validation_start(self) -> None:
+        self._prepare_compiled_backbone()
+
+    def on_test_start(self) -> None:
+        self._prepare_compiled_backbone()
+
+    def on_predict_start(self) -> None:
+        self._prepare_compiled_backbone()
+
+    def _prepare_compiled_backbone(self) -> None:
+        """``model.compile=true``: the layers' static flex layouts on the module's device before the first traced
+        step (``Transformer.prepare_flex_layouts``: one graph, no recompile at the second step). Here, not in
+        ``configure_model``: the Trainer moves the module to its device after that hook."""
+        if self.compile_backbone:
+            self.net.prepare_flex_layouts(self.device)
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._new_graph_step()
 

@@ -81,8 +81,11 @@ def block_mask_from_tiles(partial: torch.Tensor, full: torch.Tensor | None, mask
 
 def build_block_mask(mask_mod: Callable, B: int, H: int, Q_LEN: int, KV_LEN: int, device, tile: int) -> BlockMask:
     """The ``BlockMask`` of ``mask_mod`` on ``(B, H, Q_LEN, KV_LEN)``: the tiles ``create_block_mask`` would find,
-    classified chunk by chunk (``tile_classes``) on ``device``, so no dense mask ever exists."""
-    BUILDS["block_masks"] += 1
+    classified chunk by chunk (``tile_classes``) on ``device``, so no dense mask ever exists. ``BUILDS`` counts the
+    builds that run eagerly; traced (a data layout's mask inside a compiled step, built on the device each step) it
+    does not: a traced counter is a guard on its value, and every step recompiled the graph."""
+    if not torch.compiler.is_compiling():
+        BUILDS["block_masks"] += 1
     partial, full = tile_classes(mask_mod, B, H, Q_LEN, KV_LEN, device, tile)
     return block_mask_from_tiles(partial, full, mask_mod, Q_LEN, KV_LEN, tile)
 
