@@ -20,11 +20,9 @@ Without key padding everything is one autograd Function with a hand-written back
 hierarchical pooling (a level-l block's pool is the pool of its two halves, so all levels cost O(L D)), each
 block's local expectation as a one-query softmax over strided views of k and v (``log_levels.summarized_blocks``:
 no gather, no copy), and the level logits and outputs as the gather-free broadcasts of ``log_levels`` (shared
-with ``logsparse``). The backward writes each of q, k, v's gradients into one buffer. Measured (B=1, H=8, D=64,
-L = 16384, fp32, causal fwd+bwd, one thread, CPU time, a fresh process per variant): about 1.75x faster than
-autograd through per-level views (whose every view of k and v allocated, zero-filled and summed a full (L, D)
-gradient per level), and about 1.7x the sparse ``logsparse``: the summaries' own pooling and inner softmax cost
-about as much memory traffic per level as the level products themselves.
+with ``logsparse``). The backward writes each of q, k, v's gradients into one buffer: autograd through per-level
+views allocated, zero-filled and summed a full (L, D) gradient per level (measured:
+docs/cpu_engine_measurements.md, *combiner/logsparse.py*).
 
 Key padding (``key_padding_mask`` (B, L), True = pad; LRA): a padded key gets no direct weight (self, raw
 previous/next token) and is left out of every block's pooled query, pooled key and inner softmax; a block

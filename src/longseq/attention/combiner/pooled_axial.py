@@ -47,14 +47,7 @@ SDPA over the pooled queries. Nothing of width ``3n + 2m`` is built. An earlier 
 flash calls was slower than the explicit softmax; what this one does differently, each measured: no layout copy
 (transposed views ran as fast as contiguous operands), heads in groups under ``HEAD_GROUP_BYTES`` (a fresh
 buffer of 32 MiB or more page-faults, ~14 ms each), running max by blocked scans instead of ``cummax``.
-
-Measured (B=1, H=8, D=64 fp32, causal fwd+bwd, L=16384, m=128, interleaved in one process, medians), two
-threads on a quiet machine, two sessions with full = 5.74 / 5.83 s: mixture 1.24 / 1.48 s (0.22 / 0.25 of
-full; before, all explicit: 2.59 s), vertical 0.58 / 0.70 s (0.10 / 0.12; 1.04 s), horizontal 0.60 / 0.72 s
-(0.11 / 0.12; 1.49 s); one thread, CPU time: 2.19 / 0.97 / 0.99 s against 4.34 / 1.74 / 2.41 s.
-Bidirectional (two threads, full = 11.6 s): 0.16 / 0.09 / 0.06 of full. ``no_grad`` inference runs only the
-forward kernels (mixture at L=4096, one thread: 124 ms against 386 ms for fwd+bwd; before 189 / 546 ms).
-t(L=65536) / t(L=16384) = 7.5-7.6.
+(Timings against full and the explicit path: docs/cpu_engine_measurements.md, *combiner/pooled_axial.py*.)
 
 Explicit path (the ``explicit`` backend, and ``auto`` under key padding, weight dropout in training, bf16/fp16
 training — the CPU flash backward runs about twice as long in bf16 as in fp32 while bf16 speeds up batched

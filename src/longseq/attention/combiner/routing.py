@@ -38,12 +38,10 @@ Fast path (the ``cpu_flash`` backend: causal, unpadded, dropout-free, CPU: ``_ca
 three fused CPU flash-attention calls merged exactly by their log-sum-exps (``ops.cpu.cluster_flash``: own segment,
 own cluster in slot order, the K summaries of the query's segment), and each summary's inner softmax over
 R(c, g) is one more (SDPA over the cluster blocks, a broadcast (n - 1, S) mask); the running max pools of
-queries and keys are one stacked ``ops.running_max`` scan. Measured reason, fwd+bwd at B=1 H=8 D=64
-L=16384 K=M=128, one thread, CPU time: 3.7-3.8 s -> 1.25-1.3 s (full causal attention 11.3 s): the explicit
-path's (B, H, L, S + M + K) logits, their gathers, concatenations, softmax and copies cost several times the
-flash calls. With padding or weight dropout the explicit path below runs (the reference for the fast one).
-The flash calls are now ~3/4 of the time; the combiner computes about twice the logits of the sparse
-``routing`` on the same partition (summaries: L K, inner softmaxes: about L^2 / M), so it costs ~1.8-2x it.
+queries and keys are one stacked ``ops.running_max`` scan. Why: the explicit path's (B, H, L, S + M + K) logits,
+their gathers, concatenations, softmax and copies cost several times the flash calls (measured:
+docs/cpu_engine_measurements.md, *cluster_flash*). With padding or weight dropout the explicit path below runs
+(the reference for the fast one).
 
 Key padding (``key_padding_mask`` (B, L), True = pad; LRA). Padded keys still take cluster slots (the
 balanced assignment places them after every real key, into the room left, so real keys cluster as

@@ -19,11 +19,8 @@ so ``dropout`` is not applied. The maps are written once, in ``RandomFeatures`` 
 vector-Jacobian products, every pass in place on the fresh projection). Causal: the maps run inside
 ``prefix_sums.causal_kernel_attention``'s tiles, so the ``(L, m)`` features never exist whole (backward
 recomputes them per tile), and the per-(batch, head) key constant is the running maximum of the key log
-scales. Measured (CPU, B=1, H=8, D=64, m=256, L=16384, forward + backward, one thread): the previous
-version spent most of its time in passes over fresh ``(L, m)`` tensors (projection, softmax, exp, their
-backward: about 53 ms of page faults per 134 MB tensor on first touch) and in a 256-step loop of small
-GEMMs; tiled, about 70% of the time is now GEMMs, the causal forward + backward takes 0.55-0.6x as long
-(0.5x with two threads) and its peak memory fell from 1070 to 250 MB.
+scales. Why tiled: fresh ``(L, m)`` tensors page-faulted on first touch and a loop of small GEMMs dominated the
+untiled version (measured: docs/cpu_engine_measurements.md, *performer*).
 
 Randomness: ``W`` is a buffer drawn from ``(seed, draws)``; in training, every ``redraw_interval``
 forward calls (counted in the ``calls`` buffer, training only) the next draw replaces it. ``W``, ``calls``

@@ -26,9 +26,9 @@ Shared by ``routing`` and ``combiner_routing``: ``ClusteredAttention`` (their co
 segment length, assignment, cluster blocks, forward dispatch, dense causal direct mask) and
 ``CausalClusterSlots`` (the vectorized causal direct keys: own cluster in earlier segments + own segment).
 
-Speed (measured at B=1 H=8 D=64 L=16384 K=M=128, CPU, fwd+bwd): on the ``cpu_flash`` backend (``ops.dispatch``)
-the causal forward without padding or weight dropout runs as fused CPU flash-attention calls merged by their
-log-sum-exps (``ops.cpu.cluster_flash``); ``routing`` 2.2-2.4 s -> 0.66-0.75 s on one thread. On CPU, heads run in
+Speed: on the ``cpu_flash`` backend (``ops.dispatch``) the causal forward without padding or weight dropout runs
+as fused CPU flash-attention calls merged by their log-sum-exps (``ops.cpu.cluster_flash``; measured:
+docs/cpu_engine_measurements.md, *cluster_flash*). On CPU, heads run in
 groups whose temporaries stay under ``TEMPORARY_BYTES`` (``ops.cpu.memory``: glibc maps 32 MiB and larger blocks
 afresh, ~20 ms of page faults each per call); one score matrix serves both assignments; the centroid update sums by ``index_add_`` instead of a
 (B, H, L, K) one-hot; cluster blocks are row permutations (``_PermuteRows``) whose backward is the inverse one.

@@ -16,14 +16,9 @@ backward: q, k, v, the output, the normalizer, the kernel blocks ``(L, C)`` (rec
 ``(L, F)``) and one state per tile. Key features with a log scale (performer) are kept in units of the
 running maximum log scale, as an online softmax does: the constant cancels in the normalization.
 
-Why (CPU, B=1, H=8, D=64, L=16384, fp32, forward + backward): the previous version looped over the L / C
-chunks with two tiny GEMMs each (about 1000 ``bmm`` calls at ~22 GFLOP/s), and every op of its unfused chain
-over ``(B, H, L, F)`` tensors produced a fresh 32-134 MB temporary, which glibc serves by ``mmap`` and each
-call page-faults in again (~14 ms per 32 MB, as long as a 64^3-shaped batched GEMM over the same rows).
-Tile-sized temporaries (``TILE_ROWS``) come back from the allocator's free lists and stay in cache; the
-GEMMs now run at close to the machine's single-GEMM throughput. Measured against that version: causal
-``linear`` 0.35x and ``performer`` 0.55-0.6x of its time (one thread, CPU time; 0.35x and 0.5x with two),
-peak memory 430 -> 220 MB and 1070 -> 250 MB.
+Why tiles: an untiled version spent its time in about a thousand tiny ``bmm`` calls and in page faults on fresh
+``(B, H, L, F)`` temporaries; tile-sized ones (``TILE_ROWS``) come back from the allocator's free lists and stay in
+cache (measured: docs/cpu_engine_measurements.md, *prefix_sums*).
 """
 
 from __future__ import annotations

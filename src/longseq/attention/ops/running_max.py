@@ -11,13 +11,9 @@ input (``b`` ops on ``1 / b`` of the data each): no clone, no fix-up pass. Backw
 the linear recurrence ``acc[t] = g[t] + carried[t+1] * acc[t+1]`` (``carried``: the max was carried over, not
 attained), the final masking fused into the last in-block pass.
 
-Measured on CPU (one head group of the pooled axial Combiners, (2, 128, 128, 64) fp32, scan along either grid
-axis, one thread, CPU time): forward 3.9 ms against 7.7 ms for one ``torch.maximum`` per position; forward +
-backward 15-20 ms against 20 ms for that loop with the same backward and 30 ms for ``cummax`` with its
-``scatter_add`` backward. Small blocks keep the ops that touch whole tensors few (about 6 forward, 20
-backward): with two threads on a loaded machine every parallel op could stall a scheduler slice (~8 ms), which
-made a one-op-per-position scan (and a ``sqrt(T)``-block one) several times slower, while the many per-block
-ops run on one position's slice, below ATen's parallel grain (32768 elements) for the shapes here.
+Why blocked and small blocks: on CPU this beat one ``torch.maximum`` per position and ``cummax`` with its
+``scatter_add`` backward, and few whole-tensor ops stall less on a loaded machine (measured:
+docs/cpu_engine_measurements.md, *running_max*).
 """
 
 from __future__ import annotations

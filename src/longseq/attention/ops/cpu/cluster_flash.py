@@ -3,8 +3,7 @@ three fused CPU flash calls merged by their log-sum-exps (``cluster_slots_flash`
 
 Runs when ``ops.dispatch`` picks ``cpu_flash`` (CPU, causal, no key padding, no weight dropout, one head size for
 q, k and v); the explicit path it equals is ``CausalClusterSlots.logits`` / ``cluster_output`` and the variants'
-joint softmax. Measured (B=1 H=8 D=64 L=16384 K=M=128, CPU, fwd+bwd, one thread): ``routing`` 2.2-2.4 s on the
-explicit path -> 0.66-0.75 s.
+joint softmax, about 3x slower on CPU (measured: docs/cpu_engine_measurements.md, *cluster_flash*).
 """
 
 from __future__ import annotations

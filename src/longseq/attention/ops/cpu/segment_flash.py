@@ -3,8 +3,8 @@ softmax is fused CPU flash calls merged by log-sum-exps (``segment_flash_attenti
 ``summary_plan``). Runs when ``ops.dispatch`` picks ``cpu_flash`` (CPU, no key padding, at least two segments, one
 head size for q and v); the explicit path it equals is ``CombinerFixedAttention.forward``'s joint SDPA.
 
-Measured against the single joint SDPA it replaces (B=1, H=8, D=64, m=128, fp32, causal fwd+bwd, one thread,
-CPU time): 0.70x the time at L = 16384, and t(65536) / t(16384) = 6.2.
+It replaced a single joint SDPA, which it beats on CPU (measured: docs/cpu_engine_measurements.md,
+*segment_flash*).
 """
 
 from __future__ import annotations
