@@ -223,6 +223,11 @@ def test_model_compile_prepares_the_flex_layouts_before_the_first_traced_step(tm
         getattr(module, hook)()
         layouts = [block.attn.attention.flex_layouts for block in module.net.blocks]
         assert all(layouts) if compiled else not any(layouts)
+    # a task whose batches carry key padding (LRA) prepares the padded layout (the layout key's 5th field), others not
+    for task, padded in (("digits", False), ("lra_listops", True)):
+        module = build_module(compose_config(overrides + [f"task={task}", "model.compile=true"], tmp_path))
+        getattr(module, hook)()
+        assert {key[4] for key in module.net.blocks[0].attn.attention.flex_layouts} == {padded}
 
 
 def test_model_compile_must_be_a_boolean(tmp_path):

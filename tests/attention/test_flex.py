@@ -379,10 +379,10 @@ def compiled_backbone_steps(name: str, causal: bool, prepare: bool, monkeypatch,
     model = Transformer(vocab_size=16, seq_len=L, n_layers=2, d_model=16, n_heads=2, mlp_ratio=2, dropout=0.0,
                         attn_dropout=0.0, attention={"name": name, **attention, "backend": "flex"}, pos_emb="learned",
                         image_shape=None).eval()  # eval: the k-means centroids stay still, so steps compare
-    block_masks._REGISTRY.clear()
+    monkeypatch.setattr(block_masks, "_REGISTRY", {})  # this test's layouts only, the registry restored after
     if prepare:
-        cls = ATTENTION_REGISTRY[name].cls  # per layer: unpadded, and padded where it takes padding; none from data
-        assert model.prepare_flex_layouts("cpu") == (0 if cls.flex_from_data else 2 * (1 + cls.supports_padding_mask))
+        cls = ATTENTION_REGISTRY[name].cls  # one layout per layer; none where the layout comes from the data
+        assert model.prepare_flex_layouts("cpu") == (0 if cls.flex_from_data else 2)
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(model, fullgraph=True, dynamic=False, backend="aot_eager")

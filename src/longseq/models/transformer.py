@@ -317,12 +317,12 @@ class Transformer(nn.Module):
         """The registry name of each layer's attention, bottom first."""
         return [block.attn.attention.name for block in self.blocks]
 
-    def prepare_flex_layouts(self, device: torch.device | str) -> int:
+    def prepare_flex_layouts(self, device: torch.device | str, padded: bool = False) -> int:
         """Before ``torch.compile`` traces this backbone (``model.compile=true``): every layer's static flex layout at
-        ``seq_len`` on ``device`` (``ops.dispatch.prepare_flex``), so the first trace is one graph and the second
-        step does not recompile. Returns how many layouts it looked up."""
+        ``seq_len`` on ``device`` (``ops.dispatch.prepare_flex``; ``padded``: the batches carry key padding), so the
+        first trace is one graph and the second step does not recompile. Returns how many layouts it looked up."""
         device = torch.device(device)
-        return sum(dispatch.prepare_flex(block.attn.attention, self.seq_len, device) for block in self.blocks)
+        return sum(dispatch.prepare_flex(block.attn.attention, self.seq_len, device, padded) for block in self.blocks)
 
     def positions(self, length: int, start: int = 0) -> torch.Tensor | float:
         """(length, d_model) position embeddings of positions ``start .. start + length - 1`` (or 0.0)."""

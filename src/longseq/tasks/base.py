@@ -117,6 +117,7 @@ class SequenceTask(L.LightningModule):
     """
 
     requires_causal: bool | None = None  # True: LM/density; False: encoders; None: either
+    padded = False  # whether batches carry a key padding mask (LRA's classifier sets it; flex needs padded masks)
 
     def __init__(self, model: dict, attention: dict, optimizer: dict, scheduler: dict | None,
                  vocab_size: int, seq_len: int, out_dim: int | None = None,
@@ -167,7 +168,7 @@ class SequenceTask(L.LightningModule):
         step (``Transformer.prepare_flex_layouts``: one graph, no recompile at the second step). Here, not in
         ``configure_model``: the Trainer moves the module to its device after that hook."""
         if self.compile_backbone:
-            self.net.prepare_flex_layouts(self.device)
+            self.net.prepare_flex_layouts(self.device, padded=self.padded)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._new_graph_step()

@@ -205,9 +205,9 @@ def flex_forward(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return run(attn, q, k, v, key_padding_mask)
 
 
-def prepare_flex(attn, length: int, device: torch.device) -> int:
-    """Builds ``attn``'s static flex layouts at ``length`` on ``device`` (unpadded, and padded where it takes key
-    padding) where its backend may be flex there (named, or ``auto``'s choice on that device), before
+def prepare_flex(attn, length: int, device: torch.device, padded: bool = False) -> int:
+    """Builds ``attn``'s static flex layout at ``length`` on ``device`` (``padded``: for key-padded batches, where the
+    variant takes them) where its backend may be flex there (named, or ``auto``'s choice on that device), before
     ``torch.compile`` traces the model around it (``model.compile=true``): a layout first built inside the traced
     forward breaks the graph there, and the next step recompiles the whole backbone (the layout lookup's guard
     changes). Returns how many layouts it looked up (0: no static flex layout here)."""
@@ -216,10 +216,9 @@ def prepare_flex(attn, length: int, device: torch.device) -> int:
         return 0
     from longseq.attention.ops.flex import static_layout, tile_size
 
-    paddings = (False, True) if attn.supports_padding_mask else (False,)
-    for padded in paddings:
-        static_layout(attn, length, device, tile_size(length), padded=padded, per_batch=attn.flex_selects)
-    return len(paddings)
+    static_layout(attn, length, device, tile_size(length), padded=padded and attn.supports_padding_mask,
+                  per_batch=attn.flex_selects)
+    return 1
 
 
 # -- logging and recording ---------------------------------------------------------------------------------
