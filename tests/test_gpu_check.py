@@ -52,6 +52,12 @@ def assert_complete(out, ok: bool, cfg) -> None:
         assert all(r["ratio_to_full"] == 1.0 for r in table if r["attention"] == "full")
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in results["training"])
     assert results["ddp"]["status"] in ("pass", "skipped")
+    for r in results["profile"]:  # where the host's time goes: the largest events first, within the step's total
+        assert r["status"] == "ok" and 0 < len(r["host_top"]) <= gpu.TOP_EVENTS
+        per_event = [us for _, us, calls in r["host_top"]]
+        assert per_event == sorted(per_event, reverse=True) and sum(per_event) <= r["host_ms"] * 1e3 + 1e-6
+        assert (f"| {r['attention']} | {r['length']} | {r['compile']} | {r['host_ms']:.3f} | "
+                f"`{r['host_top'][0][0][:60]}`") in text
 
 
 def test_dry_run_passes_and_writes_the_report(tmp_path):
@@ -115,7 +121,7 @@ def test_a_warm_up_unit_whose_process_dies_costs_only_itself(tmp_path, capsys):
     rows, compiled = gpu.warm_up(cfg, "cpu", task=crash_in_fixed_correctness)
     assert [r["attention"] for r in rows] == sorted((r["attention"] for r in rows), key=["full", "fixed"].index)
     assert {r["attention"] for r in rows} == {"full", "fixed"} and all(r["status"] in gpu.PASSED for r in rows)
-    assert compiled == {("correctness", ("full",)), ("fig3", ("full",)), ("profile", ("full", "none")),
+    assert compiled == {("correctness", ("full",)), ("fig3", ("full",)), ("profile", (32, "full", "none")),
                         ("train", ("full", 48, 4, "none"))}
     log = capsys.readouterr().out
     assert "warm-up correctness ('fixed',): worker killed by SIGSEGV" in log
@@ -167,6 +173,21 @@ def test_past_the_time_limit_every_stage_reports_what_it_left_out(tmp_path, caps
 def test_the_quick_preset_writes_its_report_within_a_short_lease(tmp_path):
     cfg = gpu_check_config(tmp_path, ["preset=quick"])
     assert 0 < cfg.time_limit_s <= 300 and cfg.workers > 1
+    # where the block-selecting layouts' time goes, at their targets' length
+    assert {(65536, name, "none") for name in ("moba", "nsa", "combiner_select")} <= set(gpu.profile_units(cfg))
+
+
+def test_the_profile_runs_each_length_in_turn(tmp_path):
+    """``profile.length`` as a list: one row per length, attention and mode, in that order, each measured at its
+    own length and named so in both tables; the warm-up compiles the same units."""
+    cfg = gpu_check_config(tmp_path, ["dry=true", "profile.attentions=[full,combiner_fixed]", "profile.length=[16,32]"])
+    rows = gpu.run_profile(cfg, "cpu")
+    assert [(r["length"], r["attention"]) for r in rows] == [(16, "full"), (16, "combiner_fixed"), (32, "full"),
+                                                              (32, "combiner_fixed")]
+    assert all(r["status"] == "ok" and r["host_ms"] > 0 for r in rows)
+    assert [unit for kind, unit in gpu.warm_up_tasks(cfg) if kind == "profile"] == gpu.profile_units(cfg)
+    for table in (gpu.profile_table(rows), gpu.events_table(rows)):
+        assert "| combiner_fixed | 16 | none |" in table and "| combiner_fixed | 32 | none |" in table
 
 
 def test_a_run_whose_correctness_rows_are_missing_does_not_pass(tmp_path, monkeypatch):

@@ -13,8 +13,9 @@ a CUDA machine in one command and write one markdown report.
    inputs), and the crossover length from which each variant stays faster than full.
 3. Where the time goes, per layer (``profile``): wall time of a fwd + bwd step against the time the GPU is busy
    (``torch.profiler``: the sum of its kernels), kernels (GPU ops) per step, host syncs per step
-   (``torch.cuda.set_sync_debug_mode``), block masks built per step (``ops.flex.BUILDS``), peak memory; each as
-   the module is called and compiled whole with CUDA graphs (``profile.compile``).
+   (``torch.cuda.set_sync_debug_mode``), block masks built per step (``ops.flex.BUILDS``), peak memory, and the
+   host's time by profiler event and the GPU's by kernel (``largest_events``); at each ``profile.length``, as the
+   module is called and compiled whole with CUDA graphs (``profile.compile``).
 4. Training: a few optimizer steps of the backbone on the image density geometries (CIFAR-10's 3,072 and
    ImageNet-64's 12,288 tokens) with synthetic tokens under ``torch.autocast(bf16)`` (what Lightning's
    ``precision=bf16-mixed`` does), eager and ``torch.compile``d (``train.compile``: its modes): tokens/s, peak
@@ -389,17 +390,23 @@ def crossover(rows: list[dict[str, Any]], name: str, mode: str, compile_mode: st
 
 
 # -- 3. where the time goes ----------------------------------------------------------------------------------
-def profile_layer(cfg: DictConfig, name: str, compile_mode: str, device: str) -> dict[str, Any]:
-    """One attention layer's fwd + bwd step at ``profile.length`` (``profile`` shape, bf16, causal): median wall
+def profile_lengths(cfg: DictConfig) -> list[int]:
+    """``profile.length``: one length or a list of them."""
+    value = cfg.profile.length
+    return [int(value)] if isinstance(value, (int, str)) else [int(v) for v in value]
+
+
+def profile_layer(cfg: DictConfig, name: str, compile_mode: str, device: str, L: int) -> dict[str, Any]:
+    """One attention layer's fwd + bwd step at length ``L`` (``profile`` shape, bf16, causal): median wall
     time, GPU-busy time and GPU ops per step from ``torch.profiler``, host syncs per step (CUDA's sync debug mode;
-    on CPU not counted), block masks built per step, peak memory above the inputs."""
+    on CPU not counted), block masks built per step, peak memory above the inputs, host time per step and its
+    largest events, the largest GPU kernels (``largest_events``)."""
     import warnings
 
     from longseq.attention import build_attention
     from longseq.attention.ops.flex import BUILDS
 
     spec_cfg = cfg.profile
-    L = int(spec_cfg.length)
     spec = build_spec(name, L, causal=True, n_heads=int(spec_cfg.heads), head_dim=int(spec_cfg.head_dim),
                       block_size=spec_cfg.block_size)
     row: dict[str, Any] = {"attention": name, "compile": compile_mode, "length": L, "status": "ok", "note": ""}
@@ -459,29 +466,59 @@ def profile_layer(cfg: DictConfig, name: str, compile_mode: str, device: str) ->
     row["gpu_busy_ms"] = sum(e.time_range.elapsed_us() for e in kernels) / steps / 1e3
     if dev.type == "cuda" and row["wall_ms"] > 0:
         row["busy_share"] = row["gpu_busy_ms"] / row["wall_ms"]
+    averages = profiler.key_averages()
+    row["host_ms"], row["host_top"] = largest_events(averages, steps, "cpu")
+    if dev.type == "cuda":
+        row["gpu_top"] = largest_events(averages, steps, "cuda")[1]
     return row
 
 
+TOP_EVENTS = 6  # events listed per profiled layer, on each side
+
+
+def largest_events(averages, steps: int, side: str) -> tuple[float, list[tuple[str, float, float]]]:
+    """Where a profiled step's time goes on one side (``side``: "cpu", the host's self time per event; "cuda", the
+    GPU time per kernel) -> the side's total per step in ms and its ``TOP_EVENTS`` largest events as ``(name,
+    µs per step, calls per step)``. A layer whose GPU idles most of its wall time (docs/gpu_check_h100.md: 13 %
+    busy) is bound by the host's: dynamo's guards ("TorchDynamo Cache Lookup"), the compiled graph's wrappers
+    ("CompiledFunction", "## Call CompiledFxGraph"), kernel launches, autograd; one that keeps it busy, by its
+    kernels."""
+    if side == "cpu":
+        events = [(e.key, e.self_cpu_time_total, e.count) for e in averages
+                  if e.device_type == torch.autograd.DeviceType.CPU and e.self_cpu_time_total > 0]
+    else:
+        events = [(e.key, e.self_device_time_total, e.count) for e in averages
+                  if e.device_type == torch.autograd.DeviceType.CUDA]  # kernels, not the ops that launched them
+    events.sort(key=lambda event: event[1], reverse=True)
+    total = sum(us for _, us, _ in events) / steps / 1e3
+    return total, [(name, us / steps, count / steps) for name, us, count in events[:TOP_EVENTS]]
+
+
 def run_profile(cfg: DictConfig, device: str, limit: TimeLimit = NO_LIMIT) -> list[dict[str, Any]]:
-    """``profile_layer`` for every attention of ``profile.attentions`` and compile mode of ``profile.compile``."""
+    """``profile_layer`` for every length of ``profile.length``, attention of ``profile.attentions`` and compile mode
+    of ``profile.compile``."""
     rows = []
-    for name in _names(cfg.profile.attentions):
-        for compile_mode in compile_modes(cfg.profile.compile):
-            if limit.passed():
-                rows.append({"attention": name, "compile": compile_mode, "length": int(cfg.profile.length),
-                             "status": TIME_LIMIT, "note": ""})
-                continue
-            fresh_compiles(device)
-            try:
-                rows.append(profile_layer(cfg, name, compile_mode, device))
-            except Exception as error:
-                rows.append({"attention": name, "compile": compile_mode, "length": int(cfg.profile.length),
-                             "status": "oom" if cells.is_oom(error) else "error", "note": cells.error_text(error)})
-            print(f"  profile {name} {compile_mode}: " + ", ".join(
-                f"{k} {_fmt(v, '.3g')}" for k, v in rows[-1].items() if isinstance(v, float)), flush=True)
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
+    for L, name, compile_mode in profile_units(cfg):
+        if limit.passed():
+            rows.append({"attention": name, "compile": compile_mode, "length": L, "status": TIME_LIMIT, "note": ""})
+            continue
+        fresh_compiles(device)
+        try:
+            rows.append(profile_layer(cfg, name, compile_mode, device, L))
+        except Exception as error:
+            rows.append({"attention": name, "compile": compile_mode, "length": L,
+                         "status": "oom" if cells.is_oom(error) else "error", "note": cells.error_text(error)})
+        print(f"  profile {name} {compile_mode} L={L}: " + ", ".join(
+            f"{k} {_fmt(v, '.3g')}" for k, v in rows[-1].items() if isinstance(v, float)), flush=True)
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
     return rows
+
+
+def profile_units(cfg: DictConfig) -> list[tuple[int, str, str]]:
+    """(length, attention, compile mode) of every profiled layer, in the order the stage runs them."""
+    return [(L, name, mode) for L in profile_lengths(cfg) for name in _names(cfg.profile.attentions)
+            for mode in compile_modes(cfg.profile.compile)]
 
 
 # -- 4. training ---------------------------------------------------------------------------------------------
@@ -593,7 +630,7 @@ def warm_up_tasks(cfg: DictConfig) -> list[tuple[str, tuple]]:
     instead, so what the limit cuts is what would have run last."""
     tasks = [("correctness", (name,)) for name in _names(cfg.correctness.attentions)]
     tasks += [("fig3", (name,)) for name in _names(cfg.fig3.attentions)]
-    tasks += [("profile", (name, mode)) for name in _names(cfg.profile.attentions) for mode in compile_modes(cfg.profile.compile)]
+    tasks += [("profile", unit) for unit in profile_units(cfg)]
     tasks += [("train", case) for case in train_cases(cfg)]
     heavy_first = ("train", "fig3", "profile", "correctness")
     order = heavy_first if cfg.get("time_limit_s") is None else heavy_first[::-1]
@@ -625,7 +662,8 @@ def _warm_task(cfg_yaml: str, device: str, kind: str, args: tuple, threads: int)
         return []
     if kind == "profile":
         cfg.profile.repeats, cfg.profile.profiled = 1, 1
-        profile_layer(cfg, args[0], args[1], device)
+        L, name, mode = args
+        profile_layer(cfg, name, mode, device, L)
         return []
     name, seq_len, block_size, mode = args
     cfg.train.attentions, cfg.train.compile = [name], [mode]
@@ -781,14 +819,30 @@ def crossover_table(tables: list[list[dict[str, Any]]], shapes: list[dict[str, A
 
 
 def profile_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| attention | compile | wall ms | GPU-busy ms | busy share | GPU ops / step | host syncs / step | "
-             "block masks built / step | peak MB | status |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| attention | L | compile | wall ms | GPU-busy ms | busy share | GPU ops / step | host syncs / step | "
+             "block masks built / step | peak MB | status |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['attention']} | {r['compile']} | {_fmt(r.get('wall_ms'), '.3f')} | "
+        lines.append(f"| {r['attention']} | {r['length']} | {r['compile']} | {_fmt(r.get('wall_ms'), '.3f')} | "
                      f"{_fmt(r.get('gpu_busy_ms'), '.3f')} | {_fmt(r.get('busy_share'), '.0%')} | "
                      f"{_fmt(r.get('gpu_ops_per_step'), '.0f')} | {_fmt(r.get('host_syncs_per_step'), 'd')} | "
                      f"{_fmt(r.get('block_masks_per_step'), '.2g')} | {_fmt(r.get('peak_mem_mb'), ',.1f')} | "
                      f"{r['status']}{(': ' + r['note']) if r.get('note') else ''} |")
+    return "\n".join(lines)
+
+
+def events_table(rows: list[dict[str, Any]]) -> str:
+    """The profiled layers' host time per step with its largest events, and their largest GPU kernels
+    (``largest_events``)."""
+    lines = ["| attention | L | compile | host ms / step | largest host events: self µs / step (calls / step) | "
+             "largest GPU kernels: µs / step (calls / step) |", "|---|---|---|---|---|---|"]
+
+    def listed(events) -> str:
+        return "; ".join(f"`{name[:60]}` {us:,.0f} ({calls:.0f})" for name, us, calls in events)
+
+    for r in rows:
+        if "host_top" in r:
+            lines.append(f"| {r['attention']} | {r['length']} | {r['compile']} | {_fmt(r.get('host_ms'), '.3f')} | "
+                         f"{listed(r['host_top'])} | {listed(r.get('gpu_top', []))} |")
     return "\n".join(lines)
 
 
@@ -843,13 +897,16 @@ def write_report(out: Path, cfg: DictConfig, env: dict[str, Any], correctness: l
                       "than full", "", crossover_table(fig3, shapes, mode, compile_mode), ""]
     p, t = cfg.profile, cfg.train
     lines += ["## Where the time goes", "",
-              f"One layer's fwd + bwd step at L={p.length}, B={p.batch} H={p.heads} D={p.head_dim}, {p.dtype}, causal; "
+              f"One layer's fwd + bwd step at L={', '.join(map(str, profile_lengths(cfg)))}, B={p.batch} H={p.heads} D={p.head_dim}, {p.dtype}, causal; "
               f"median wall time of {p.repeats} steps (the module as training calls it, or compiled whole); GPU-busy "
               f"time and GPU ops (kernels, copies, fills) from torch.profiler over {p.profiled} steps; host syncs from "
               "CUDA's sync debug mode over one step; block masks built per step outside a compiled graph (a static layout "
               "rebuilt; the k-means layouts build theirs on the device inside the compiled step, not counted); peak "
               "memory above the inputs.", "",
               profile_table(profile), "",
+              "Host time per step (torch.profiler's self CPU time of every event, summed), the events that take "
+              "most of it, and the kernels that take most of the GPU-busy time:", "",
+              events_table(profile), "",
               "## Training", "",
               f"{t.precision}, synthetic tokens, batch {t.batch}, {t.n_layers} layers d={t.d_model} H={t.n_heads}, "
               f"AdamW; median of {t.steps} steps after {t.warmup}; compile = the backbone through torch.compile with "
