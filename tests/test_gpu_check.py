@@ -173,8 +173,10 @@ def test_past_the_time_limit_every_stage_reports_what_it_left_out(tmp_path, caps
 def test_the_quick_preset_writes_its_report_within_a_short_lease(tmp_path):
     cfg = gpu_check_config(tmp_path, ["preset=quick"])
     assert 0 < cfg.time_limit_s <= 300 and cfg.workers > 1
-    # where the block-selecting layouts' time goes, at their targets' length
-    assert {(65536, name, "none") for name in ("moba", "nsa", "combiner_select")} <= set(gpu.profile_units(cfg))
+    # the block-selecting layouts timed and profiled at their targets' lengths
+    selecting = {"moba", "nsa", "combiner_select"}
+    assert selecting <= set(cfg.fig3.attentions) and {16384, 65536} <= set(cfg.fig3.lengths)
+    assert {(65536, name, "none") for name in selecting} <= set(gpu.profile_units(cfg))
 
 
 def test_the_profile_runs_each_length_in_turn(tmp_path):
