@@ -23,8 +23,10 @@ from torch.nn.attention.flex_attention import create_block_mask, create_mask
 from longseq.attention import ATTENTION_REGISTRY, AttentionConfigError
 from longseq.attention.ops.flex import (
     BUILDS,
+    TILE,
     block_masks,
     build_block_mask,
+    calls,
     engine,
     flex_forward,
     flex_partition,
@@ -33,6 +35,7 @@ from longseq.attention.ops.flex import (
     tile_size,
     tiles_of,
 )
+from longseq.attention.ops.flex.calls import whole_tiles
 from longseq.attention.ops.partition import Partition
 
 L, BLOCK = 32, 4  # forward checks: 8 segments / grid rows
@@ -64,8 +67,42 @@ PADDED_CASES = [(name, causal, padding) for name, causal in FLEX_CASES for paddi
                 if padding == "none" or ATTENTION_REGISTRY[name].cls.supports_padding_mask]
 
 
-@pytest.mark.parametrize("name,causal,padding", PADDED_CASES)
-def test_flex_forward_equals_attention_matrix_and_forward(name, causal, padding):
+def has_summaries(name: str, causal: bool) -> bool:
+    """Whether a call of the variant's layout appends summaries after its keys (k-means layouts: the Combiner's)."""
+    attn = build(name, causal, seq_len=L, block_size=BLOCK)
+    if attn.flex_from_data:
+        return attn.family == "combiner"
+    return any(call.n_regions for call in attn.flex_calls(L, torch.device("cpu")))
+
+
+COPIES = 4  # summary copies in the cases that lay them out once per query rows (``lay_out_summaries``)
+COPIED_CASES = [(*case, copies) for case in PADDED_CASES
+                for copies in ((1, COPIES) if has_summaries(*case[:2]) else (1,))]
+
+
+def lay_out_summaries(monkeypatch, copies: int, length: int = L) -> list[int]:
+    """Calls lay out their summaries ``copies`` times, once per ``length / copies`` queries
+    (``FlexCall.summary_copies``; a long sequence's layout at a test's length), in a registry of this test's own ->
+    the copies of every call that appended summaries (filled as the layer runs)."""
+    seen = []
+    if copies > 1:
+        monkeypatch.setattr(calls, "COPY_ROWS", length // copies)
+        monkeypatch.setattr(calls, "COPY_KEY_SHARE", float(copies * length))
+        monkeypatch.setattr(block_masks, "_REGISTRY", {})
+    summary_kv = calls.FlexCall.summary_kv
+
+    def spy(call, x, length):
+        seen.append(call.summary_copies(length)[0])
+        return summary_kv(call, x, length)
+
+    monkeypatch.setattr(calls.FlexCall, "summary_kv", spy)
+    return seen
+
+
+@pytest.mark.parametrize("name,causal,padding,copies", COPIED_CASES)
+def test_flex_forward_equals_attention_matrix_and_forward(name, causal, padding, copies, monkeypatch):
+    """Also with the summaries laid out once per query rows (``copies``), as long sequences have them."""
+    seen = lay_out_summaries(monkeypatch, copies)
     attn = build(name, causal, seq_len=L, block_size=BLOCK).eval()
     pad = pads()[padding]
     kwargs = {} if pad is None else {"key_padding_mask": pad}
@@ -76,6 +113,7 @@ def test_flex_forward_equals_attention_matrix_and_forward(name, causal, padding)
         # the module's own forward in fp64 (its fp32 padding channel of -1e4 costs ~1e-4 on fallback rows)
         q, k, v = random_qkv(L=L, dtype=torch.float64, seed=2)
         torch.testing.assert_close(flex_forward(attn, q, k, v, pad), attn(q, k, v, **kwargs), atol=1e-9, rtol=0)
+    assert copies == 1 or set(seen) == {copies}
 
 
 def regions_match(flex_part: Partition, part: Partition) -> None:
@@ -94,11 +132,17 @@ def regions_match(flex_part: Partition, part: Partition) -> None:
 # layouts read from the geometry alone, against the variant's Partition (``routing``'s masks read the batch's clusters,
 # the block-selecting variants' the batch's choices: tested below)
 MASK_CASES = [(name, causal) for name, causal in STATIC_CASES if not ATTENTION_REGISTRY[name].cls.pattern_from_data]
+MASK_COPIED_CASES = [(name, causal, copies) for name, causal in MASK_CASES
+                     for copies in ((1, COPIES) if has_summaries(name, causal) else (1,))]
 
 
-@pytest.mark.parametrize("name,causal", MASK_CASES)
-def test_create_mask_of_every_mask_mod_equals_the_partition(name, causal):
+@pytest.mark.parametrize("name,causal,copies", MASK_COPIED_CASES)
+def test_create_mask_of_every_mask_mod_equals_the_partition(name, causal, copies, monkeypatch):
+    """Also with the summaries laid out once per query rows: each query uses every region it may, once."""
+    lay_out_summaries(monkeypatch, copies, MASK_L)
     attn = build(name, causal, seq_len=MASK_L, block_size=MASK_BLOCK)
+    laid_out = {call.summary_copies(MASK_L)[0] for call in attn.flex_calls(MASK_L, torch.device("cpu")) if call.n_regions}
+    assert laid_out <= {copies} and (copies == 1 or laid_out)
     part = attn.partition(MASK_L)
     heads = part.direct.shape[0] if part.direct.dim() == 3 else 1  # bigbird: per-head patterns
     for head in range(heads):
@@ -119,7 +163,7 @@ def test_block_masks_equal_create_block_mask_and_count_their_tiles(name, causal,
     tile = 8
     monkeypatch.setitem(block_masks.MASK_CHUNK_CELLS, "cpu", 2 * tile * 3 * MASK_L)
     for call in attn.flex_calls(MASK_L, torch.device("cpu")):
-        kv_len = block_masks.whole_tiles(call.kv_len(MASK_L), tile)
+        kv_len = whole_tiles(call.kv_len(MASK_L), tile)
         mine = build_block_mask(call.mask_mod(MASK_L), 1, call.heads, MASK_L, kv_len, "cpu", tile)
         torch_s = create_block_mask(call.mask_mod(MASK_L), 1, call.heads, MASK_L, kv_len, "cpu", BLOCK_SIZE=tile)
         assert torch.equal(mine.to_dense(), torch_s.to_dense())
@@ -243,12 +287,25 @@ TRACE_FAST = [(name, causal, padding) for name, causal, padding in PADDED_CASES
               if padding == "none" and causal == modes(name)[0]]
 TRACE_CASES = TRACE_FAST + [pytest.param(*case, marks=pytest.mark.slow) for case in PADDED_CASES
                             if case not in TRACE_FAST]
+# the summaries laid out once per query rows (combiner_fixed's case in the fast suite)
+TRACE_COPIED = [pytest.param(name, causal, padding, marks=() if name == "combiner_fixed" else pytest.mark.slow)
+                for name, causal, padding in TRACE_FAST if has_summaries(name, causal)]
 
 
 @pytest.mark.parametrize("name,causal,padding", TRACE_CASES)
 def test_the_whole_layer_traces_as_one_graph(name, causal, padding):
     """``torch._dynamo.explain`` of the attention module on the flex backend (dispatch, summaries, every call, the
     merge, the padding fallback): one graph, no break (once the static layout exists, as after the first step)."""
+    assert_one_graph(name, causal, padding)
+
+
+@pytest.mark.parametrize("name,causal,padding", TRACE_COPIED)
+def test_the_layer_with_copies_of_its_summaries_traces_as_one_graph(name, causal, padding, monkeypatch):
+    lay_out_summaries(monkeypatch, COPIES)
+    assert_one_graph(name, causal, padding)
+
+
+def assert_one_graph(name: str, causal: bool, padding: str) -> None:
     import torch._dynamo
 
     attn = build(name, causal, seq_len=L, block_size=BLOCK, backend="flex").eval()
@@ -277,14 +334,15 @@ def dense_flex(q, k, v, block_mask):
     return (scores - lse.masked_fill(empty, 0.0).unsqueeze(-1)).exp() @ v, lse.masked_fill(empty, float("-inf"))
 
 
-@pytest.mark.parametrize("name,causal,padding", PADDED_CASES)
-def test_the_layer_backward_equals_the_reference(name, causal, padding, monkeypatch):
+@pytest.mark.parametrize("name,causal,padding,copies", COPIED_CASES)
+def test_the_layer_backward_equals_the_reference(name, causal, padding, copies, monkeypatch):
     """Gradients into q, k and v through everything the layer does around its flex calls (summaries, orders, merges,
-    gathered selections, the padding fallback), each flex call computed densely with autograd, against the gradients
-    of ``attention_matrix @ v`` (fp64), with the kernels a GPU runs (one-scan running max, static k-means rounds).
-    On a GPU the calls are FlexAttention's own backward (make gpu-check)."""
+    gathered selections, the padding fallback, the copies of the summaries), each flex call computed densely with
+    autograd, against the gradients of ``attention_matrix @ v`` (fp64), with the kernels a GPU runs (one-scan
+    running max, static k-means rounds). On a GPU the calls are FlexAttention's own backward (make gpu-check)."""
     from longseq.attention.ops import clustering, running_max
 
+    seen = lay_out_summaries(monkeypatch, copies)
     monkeypatch.setattr(engine, "flex_call", dense_flex)
     monkeypatch.setattr(running_max, "blocked_scan_applies", lambda x: False)
     monkeypatch.setattr(clustering, "host_loop_applies", lambda scores: False)
@@ -298,6 +356,7 @@ def test_the_layer_backward_equals_the_reference(name, causal, padding, monkeypa
     reference = torch.autograd.grad(((attn.attention_matrix(q2, k2, v2, **kwargs) @ v2) * upstream).sum(), (q2, k2, v2))
     for got, want in zip(grads, reference):
         torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+    assert copies == 1 or set(seen) == {copies}
 
 
 @pytest.mark.parametrize("name,causal,padding", PADDED_CASES)
@@ -521,6 +580,35 @@ def test_static_layouts_pad_keys_to_whole_tiles():
     assert call.kv_len(256) % layout.tile and layout.kv_lens[0] % layout.tile == 0
     dense = create_mask(call.mask_mod(256), 1, 1, 256, layout.kv_lens[0], "cpu")
     assert not dense[..., call.kv_len(256) :].any()
+
+
+@pytest.mark.parametrize("name", ["combiner_fixed", *(pytest.param(name, marks=pytest.mark.slow)
+                                                      for name in ("combiner_select", "nsa"))])
+def test_no_summary_tile_makes_the_backward_loop_over_every_query_tile(name, monkeypatch):
+    """FlexAttention's backward loops, for each key tile, over the query tiles that visit it. At L = 16,384 (m 128,
+    the benchmark's geometry) every query used to visit the same 1 or 2 summary tiles: a serial loop over 127 or 128
+    query tiles. Laid out once per ``COPY_ROWS`` queries, no summary tile is visited by more than
+    ``COPY_ROWS / TILE`` (32) query tiles, and a query tile visits no more summary tiles than before."""
+    L_long, copy_rows = 16384, calls.COPY_ROWS
+
+    def summary_tiles(rows: int) -> list[tuple[int, int]]:  # per call: (longest loop, tiles a query tile visits)
+        monkeypatch.setattr(calls, "COPY_ROWS", rows)
+        monkeypatch.setattr(block_masks, "_REGISTRY", {})
+        attn = build(name, True, seq_len=L_long, block_size=128, n_heads=1, head_dim=64)
+        layout = static_layout(attn, L_long, torch.device("cpu"), TILE)
+        found = []
+        for call, mask in zip(layout.calls, layout.masks):
+            if call.n_regions:
+                first = (L_long if call.direct is not None else 0) // TILE  # the first summary tile
+                visits = mask.q_num_blocks + (0 if mask.full_q_num_blocks is None else mask.full_q_num_blocks)
+                dense = mask.to_dense()[..., first:].sum(-1)  # (1, H, q tiles): summary tiles per query tile
+                found.append((int(visits[..., first:].max()), int(dense.max())))
+        return found
+
+    before, after = summary_tiles(L_long), summary_tiles(copy_rows)
+    assert before and all(loop >= 127 for loop, _ in before)
+    assert all(loop <= copy_rows // TILE == 32 for loop, _ in after)
+    assert [tiles for _, tiles in after] == [tiles for _, tiles in before]
 
 
 @requires_cuda

@@ -41,8 +41,7 @@ import torch
 from longseq.attention.base import Attention
 from longseq.attention.combiner.summary import PooledCombiner, RegionSummary
 from longseq.attention.ops.amp import autocast_function
-from longseq.attention.ops.flex.block_masks import TILE
-from longseq.attention.ops.flex.calls import FlexCall
+from longseq.attention.ops.flex.calls import TILE, FlexCall
 from longseq.attention.ops.geometry import fenwick_blocks, num_log_levels
 from longseq.attention.ops.log_levels import (
     LevelMix,

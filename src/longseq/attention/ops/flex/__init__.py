@@ -14,15 +14,8 @@ This package knows no variant:
 - ``inspection``: tiles visited (the benchmark) and the calls' masks as a ``Partition`` (tests).
 """
 
-from longseq.attention.ops.flex.block_masks import (
-           BUILDS,
-           TILE,
-           build_block_mask,
-           static_layout,
-           tile_size,
-           tiles_of,
-)
-from longseq.attention.ops.flex.calls import FlexCall
+from longseq.attention.ops.flex.block_masks import BUILDS, build_block_mask, static_layout, tiles_of
+from longseq.attention.ops.flex.calls import TILE, FlexCall, tile_size
 from longseq.attention.ops.flex.engine import flex_forward, merge_by_lse
 from longseq.attention.ops.flex.inspection import flex_partition, flex_tiles_visited
 

@@ -22,24 +22,12 @@ from typing import Callable
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from longseq.attention.ops.flex.calls import FlexCall
+from longseq.attention.ops.flex.calls import TILE, FlexCall, whole_tiles
 
-TILE = 128  # FlexAttention's default tile (queries x keys); ``tile_size`` shrinks it for short sequences
 # The builder evaluates the mask_mod on a (B, H, rows, KV) index grid per chunk of query tiles: at most this many
 # cells a chunk (int32 intermediates), so memory stays O(chunk) whatever L
 MASK_CHUNK_CELLS = {"cuda": 1 << 26, "cpu": 1 << 22}
 BUILDS = {"block_masks": 0}  # block masks built in this process (tests: a second model builds none)
-
-
-def tile_size(L: int) -> int:
-    """The flex tile for a length-L sequence: ``TILE`` (128), or the next power of two >= L (at least 16, the
-    kernels' smallest) when the whole sequence is shorter than one tile."""
-    return min(TILE, max(16, 1 << max(L - 1, 1).bit_length()))
-
-
-def whole_tiles(length: int, tile: int) -> int:
-    """``length`` rounded up to a whole number of tiles (KV slots past a call's keys are masked)."""
-    return -(-length // tile) * tile
 
 
 def tile_classes(mask_mod: Callable, B: int, H: int, Q_LEN: int, KV_LEN: int, device, tile: int):

@@ -6,6 +6,14 @@ index, row / column, log level, block table), never from an ``(L, L + R)`` dense
 share one softmax (merged exactly by their log-sum-exps, ``engine.merge_by_lse``); the groups' outputs are averaged
 (``combiner_mixture plans=average``). A call knows its mask only: the summaries are the variant's own
 (``Attention.flex_summaries``), so one call object serves every layer and every model with the same geometry.
+
+Summaries that every query may use are "hot" key tiles: FlexAttention's backward computes each key tile's dK and dV
+in one program that loops over every query tile visiting it, so at L = 65,536 the summary tiles of
+``combiner_fixed`` are one serial loop over all 512 query tiles (the rest of the layer's backward is a few query
+tiles per key tile). Past ``COPY_ROWS`` queries the summaries are therefore laid out once per ``COPY_ROWS`` queries
+(``FlexCall.summary_copies``): each copy is visible to its own query rows only, so no loop is longer than
+``COPY_ROWS / TILE`` query tiles; the softmax is unchanged (a query sees exactly one copy of each summary) and
+autograd sums the copies' gradients.
 """
 
 from __future__ import annotations
@@ -16,6 +24,21 @@ from typing import Callable
 import torch
 
 from longseq.attention.ops.geometry import Grid
+
+TILE = 128  # FlexAttention's default tile (queries x keys); ``tile_size`` shrinks it for short sequences
+COPY_ROWS = 32 * TILE  # query rows (in a call's order) that share one copy of its summaries
+COPY_KEY_SHARE = 1 / 8  # the copies add at most this share of L key slots; past it a call keeps one copy (logsparse)
+
+
+def tile_size(L: int) -> int:
+    """The flex tile for a length-L sequence: ``TILE`` (128), or the next power of two >= L (at least 16, the
+    kernels' smallest) when the whole sequence is shorter than one tile."""
+    return min(TILE, max(16, 1 << max(L - 1, 1).bit_length()))
+
+
+def whole_tiles(length: int, tile: int) -> int:
+    """``length`` rounded up to a whole number of tiles (KV slots past a call's keys are masked)."""
+    return -(-length // tile) * tile
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,10 +81,41 @@ class FlexCall:
     summaries: Callable | None = None
     fallback: Callable | None = None
 
+    def summary_copies(self, L: int) -> tuple[int, int, int]:
+        """How the call's R summaries sit in its KV at length L: ``(copies, slots, rows)``, ``copies`` blocks of
+        ``slots`` slots each (R, or R padded to whole tiles when there are several copies), copy ``c`` visible to the
+        queries ``[c rows, (c + 1) rows)`` in the call's order (the module docstring says why). One copy up to
+        ``COPY_ROWS`` queries and where the copies would add more than ``COPY_KEY_SHARE`` L slots."""
+        R = self.n_regions
+        copies = -(-L // COPY_ROWS)
+        slots = whole_tiles(R, tile_size(L))
+        if not R or copies == 1 or copies * slots > L * COPY_KEY_SHARE:
+            return 1, R, L
+        return copies, slots, COPY_ROWS
+
     def kv_len(self, L: int, direct_only: bool = False) -> int:
-        """KV length of the call: [L keys ;] R summaries (the keys alone with ``direct_only``)."""
+        """KV length of the call: [L keys ;] its summaries' slots (``summary_copies``; the keys alone with
+        ``direct_only``)."""
         keys = L if self.direct is not None else 0
-        return keys if direct_only else keys + self.n_regions
+        if direct_only:
+            return keys
+        copies, slots, _ = self.summary_copies(L)
+        return keys + copies * slots
+
+    def summary_kv(self, x: torch.Tensor, L: int) -> torch.Tensor:
+        """The summaries' slots of the KV from the R summaries ``x`` ``(B, H, R, D)``: each copy padded to its slots
+        (zeros, masked) -> ``(B, H, copies * slots, D)`` (``summary_copies``)."""
+        copies, slots, _ = self.summary_copies(L)
+        if copies == 1:
+            return x
+        x = torch.nn.functional.pad(x, (0, 0, 0, slots - x.shape[-2]))
+        return x.unsqueeze(-3).expand(*x.shape[:-2], copies, slots, x.shape[-1]).flatten(-3, -2)
+
+    def summary_columns(self, mask: torch.Tensor, L: int) -> torch.Tensor:
+        """A mask's summary columns ``(..., copies * slots)`` -> ``(..., R)``: whether the query may use each summary
+        in any copy (each query sees one copy; inspection and tests)."""
+        copies, slots, _ = self.summary_copies(L)
+        return mask.unflatten(-1, (copies, slots)).any(-2)[..., : self.n_regions]
 
     def mask_mod(self, L: int, real: torch.Tensor | None = None, occupied: torch.Tensor | None = None,
                  direct_only: bool = False, also: Callable | None = None) -> Callable:
@@ -69,12 +123,20 @@ class FlexCall:
         ``(B, L)`` (call order) and ``occupied`` ``(B, R)`` (``(B, H, R)`` for per-head regions) the per-document
         padding masks; ``direct_only`` keeps the fallback keys alone (``fallback``, else ``direct``); ``also`` a
         per-batch condition of the variant (``Attention.flex_call_mask``) that every allowed slot must meet too. KV
-        slots past ``kv_len`` (the padding that makes KV a whole number of tiles) are never attended."""
+        slots past ``kv_len`` (the padding that makes KV a whole number of tiles) are never attended. Copies of the
+        summaries (``summary_copies``) are a re-indexing: a slot of the query's own copy reads as the summary's slot
+        in one copy, ``L + r`` (``also`` sees that index too), any other copy's slot as nothing."""
         R = 0 if direct_only else self.n_regions
         direct, usable = (self.fallback or self.direct) if direct_only else self.direct, self.usable
         keys = L if direct is not None else 0
+        copies, slots, rows = self.summary_copies(L)
 
         def mask_mod(b, h, q, kv):
+            own_copy = None
+            if R and copies > 1:
+                slot = kv - keys
+                own_copy = (slot < 0) | (slot // slots == q // rows)
+                kv = torch.where(slot >= 0, keys + slot % slots, kv)
             ok = None
             if keys:
                 key = kv.clamp(max=L - 1)
@@ -87,6 +149,8 @@ class FlexCall:
                 if occupied is not None:
                     use = use & (occupied[b, region] if occupied.dim() == 2 else occupied[b, h, region])
                 ok = use if ok is None else ok | use
+            if own_copy is not None:
+                ok = ok & own_copy
             return ok if also is None else ok & also(b, h, q, kv)
 
         return mask_mod

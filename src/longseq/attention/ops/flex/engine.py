@@ -32,11 +32,9 @@ from longseq.attention.ops.flex.block_masks import (
     StaticLayout,
     build_block_mask,
     static_layout,
-    tile_size,
-    whole_tiles,
     with_mask_mod,
 )
-from longseq.attention.ops.flex.calls import FlexCall
+from longseq.attention.ops.flex.calls import FlexCall, tile_size, whole_tiles
 
 FLEX_RECOMPILE_LIMIT = 64  # compiled layer frames kept per process (see ``_compiled``)
 
@@ -114,8 +112,8 @@ def run_layer(attn, layout: StaticLayout | None, q: torch.Tensor, k: torch.Tenso
             if occupied is not None:  # a region without a real key is masked; its zeros keep 0 * v finite
                 empty_region = ~(occupied[:, None, :, None] if occupied.dim() == 2 else occupied[..., None])
                 k_bar, v_bar = k_bar.masked_fill(empty_region, 0.0), v_bar.masked_fill(empty_region, 0.0)
-            keys.append(k_bar.to(k.dtype))
-            values.append(v_bar.to(v.dtype))
+            keys.append(call.summary_kv(k_bar.to(k.dtype), L))
+            values.append(call.summary_kv(v_bar.to(v.dtype), L))
         kv_len = whole_tiles(call.kv_len(L), tile)
         also = attn.flex_call_mask(index, state)
         real_c = None if real is None else in_order_rows(real, call)

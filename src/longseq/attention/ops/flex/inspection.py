@@ -8,7 +8,8 @@ import math
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
-from longseq.attention.ops.flex.block_masks import TILE, causal_full_tiles, static_layout, tile_size, tiles_of
+from longseq.attention.ops.flex.block_masks import causal_full_tiles, static_layout, tiles_of
+from longseq.attention.ops.flex.calls import TILE, tile_size
 from longseq.attention.ops.partition import Partition
 
 
@@ -40,7 +41,7 @@ def flex_partition(attn, L: int, head: int = 0) -> Partition:
             direct |= block
         if call.n_regions:
             use = torch.zeros(L, call.n_regions, dtype=torch.bool)
-            use[order] = mask[:, keys:]
+            use[order] = call.summary_columns(mask[:, keys:], L)
             usable.append(use)
             members.append(call.members().cpu())
             anchors.append(torch.full((call.n_regions,), -1, dtype=torch.long) if call.anchors is None

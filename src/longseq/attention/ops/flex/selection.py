@@ -21,7 +21,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from longseq.attention.ops.flex import engine
-from longseq.attention.ops.flex.block_masks import whole_tiles
+from longseq.attention.ops.flex.calls import whole_tiles
 
 
 def buffer_rows(pairs: int, blocks: int, tile: int) -> int:
