@@ -75,6 +75,23 @@ def test_dry_run_passes_and_writes_the_report(tmp_path):
         assert flex and all(r["note"].startswith("forward only") and math.isnan(r["grad_err"]) for r in flex)
 
 
+def test_the_correctness_stage_checks_the_layout_long_sequences_get(tmp_path, monkeypatch):
+    """``correctness.summary_copy_rows``: the flex layouts lay out their summaries once per that many queries while
+    the stage runs (at L 16 and 4 rows: 4 copies), pass against the fp64 reference, and the rule and the layouts
+    are restored afterwards."""
+    from longseq.attention.ops.flex import block_masks, calls
+
+    cfg = gpu_check_config(tmp_path, ["dry=true", "correctness.attentions=[combiner_fixed]",
+                                      "correctness.dtypes=[float32]", "correctness.backends=[flex]"])
+    seen = []
+    summary_kv = calls.FlexCall.summary_kv
+    monkeypatch.setattr(calls.FlexCall, "summary_kv",
+                        lambda call, x, L: seen.append(call.summary_copies(L)[0]) or summary_kv(call, x, L))
+    rule = calls.COPY_ROWS, calls.COPY_KEY_SHARE
+    (row,) = [r for r in gpu.check_correctness(cfg, "cpu") if r["attention"] == "combiner_fixed"]  # full: always    assert row["status"] == "pass" and set(seen) == {cfg.correctness.seq_len // cfg.correctness.summary_copy_rows}
+    assert (calls.COPY_ROWS, calls.COPY_KEY_SHARE) == rule and not block_masks._REGISTRY
+
+
 def test_a_wrong_result_is_reported_as_a_failure(tmp_path):
     """A tolerance nothing meets: every check that runs fails, so the command would exit 1."""
     cfg = gpu_check_config(tmp_path, ["dry=true", "correctness.attentions=[full]", "correctness.dtypes=[float32]",

@@ -186,85 +186,95 @@ def _forward_backward(attn, q, k, v, grad_out, seed: int, backward: bool) -> tup
 
 def check_correctness(cfg: DictConfig, device: str, limit: TimeLimit = NO_LIMIT) -> list[dict[str, Any]]:
     """One row per (attention, dtype, backend): status pass / FAIL / n/a / error and the relative errors (one
-    ``time_limit`` row for an attention the time limit left out)."""
+    ``time_limit`` row for an attention the time limit left out). With ``correctness.summary_copy_rows`` the flex
+    layouts lay out their summaries once per that many queries, as long sequences have them."""
+    from longseq.attention.ops.flex.block_masks import summary_copies_every
+
+    spec_cfg = cfg.correctness
+    chosen = list(spec_cfg.backends) if spec_cfg.backends is not None else list(backends())
+    rows: list[dict[str, Any]] = []
+    with summary_copies_every(spec_cfg.get("summary_copy_rows")):
+        for name in _names(spec_cfg.attentions):
+            _check_attention(cfg, name, chosen, device, limit, rows)
+    return rows
+
+
+def _check_attention(cfg: DictConfig, name: str, chosen: list[str], device: str, limit: TimeLimit,
+                     rows: list[dict[str, Any]]) -> None:
+    """``check_correctness``'s rows of one attention, appended to ``rows``."""
     from longseq.attention import AttentionConfigError
 
     spec_cfg = cfg.correctness
-    names = [n for n in _names(spec_cfg.attentions)]
-    chosen = list(spec_cfg.backends) if spec_cfg.backends is not None else list(backends())
     L, B, H, D = int(spec_cfg.seq_len), int(spec_cfg.batch), int(spec_cfg.heads), int(spec_cfg.head_dim)
-    rows = []
-    for name in names:
-        fresh_compiles(device)
-        spec = build_spec(name, L, causal=bool(spec_cfg.causal), n_heads=H, head_dim=D,
-                          block_size=spec_cfg.block_size)
-        base = {"attention": name, "causal": spec.causal}
-        if limit.passed():
-            rows.append({**base, "dtype": "-", "backend": "-", "status": TIME_LIMIT, "note": limit.note()})
-            continue
-        if spec.skip_reason:
-            rows.append({**base, "dtype": "-", "backend": "-", "status": "n/a", "note": spec.skip_reason})
-            continue
-        generator = torch.Generator().manual_seed(int(cfg.seed))
-        q, k, v, grad_out = (torch.randn(B, H, L, D, generator=generator, dtype=torch.float64) for _ in range(4))
-        for dtype_name in spec_cfg.dtypes:
-            start, since = len(rows), time.perf_counter()
-            dtype = cells.DTYPES[str(dtype_name)]
-            tol = spec_cfg.tolerance[str(dtype_name)]
-            # the inputs rounded to the dtype, so the reference and the candidate see the same numbers
-            qd, kd, vd = (x.to(dtype).to(device) for x in (q, k, v))
-            q64, k64, v64 = (x.double() for x in (qd, kd, vd))
-            g64 = grad_out.to(device)
-            try:
-                reference = _build(spec.registry_name, spec.kwargs, "explicit", device, dtype, int(cfg.seed)).double()
-                ref_out, ref_grads = _forward_backward(reference, q64, k64, v64, g64, int(cfg.seed), True)
-                with torch.no_grad():  # an instance's flag: fnet's hidden-axis DFT is not one (L, L) matrix
-                    matrix_out = reference.attention_matrix(q64, k64, v64) @ v64 if reference.matrix_is_exact else None
-            except Exception as error:
-                rows.append({**base, "dtype": str(dtype_name), "backend": "explicit (fp64 reference)",
-                             "status": "error", "note": cells.error_text(error)})
-                _progress(rows, start, since)
-                continue
-            for backend in chosen:
-                row = {**base, "dtype": str(dtype_name), "backend": backend, "output_err": math.nan,
-                       "matrix_err": math.nan, "grad_err": math.nan, "note": ""}
-                try:
-                    attn = _build(spec.registry_name, spec.kwargs, backend, device, dtype, int(cfg.seed))
-                except AttentionConfigError as error:
-                    rows.append({**row, "status": "n/a", "note": str(error)})
-                    continue
-                backward = True
-                try:
-                    try:
-                        out, grads = _forward_backward(attn, qd, kd, vd, g64, int(cfg.seed), True)
-                    except AttentionConfigError as error:  # e.g. flex on CPU: no backward, check the forward
-                        backward = False
-                        out, grads = _forward_backward(attn, qd, kd, vd, g64, int(cfg.seed), False)
-                        row["note"] = f"forward only: {error}"
-                except AttentionConfigError as error:
-                    rows.append({**row, "status": "n/a", "note": str(error)})
-                    continue
-                except Exception as error:
-                    rows.append({**row, "status": "error", "note": cells.error_text(error)})
-                    continue
-                row["output_err"] = relative_error(out, ref_out)
-                if matrix_out is not None:
-                    row["matrix_err"] = relative_error(out, matrix_out)
-                if backward:
-                    missing = sorted(set(ref_grads) - set(grads))
-                    row["grad_err"] = max((relative_error(grads[n], ref_grads[n]) for n in ref_grads if n in grads),
-                                          default=0.0)
-                    if missing:
-                        row["note"] = f"no gradient for {missing}"
-                ok = row["output_err"] <= tol.output and (math.isnan(row["matrix_err"]) or row["matrix_err"] <= tol.output)
-                ok = ok and (not backward or (row["grad_err"] <= tol.grad and not row["note"]))
-                bad = [x for x in (out, *grads.values()) if not torch.isfinite(x).all()]
-                status = "pass" if ok and not bad else "FAIL"
-                if status == "FAIL" and not bad and attn.pattern_from_data and dtype in LOW_PRECISION:
-                    status, row["note"] = _own_pattern_check(attn, qd, kd, vd, out, tol.output, int(cfg.seed))
-                rows.append({**row, "status": status})
+    fresh_compiles(device)
+    spec = build_spec(name, L, causal=bool(spec_cfg.causal), n_heads=H, head_dim=D,
+                      block_size=spec_cfg.block_size)
+    base = {"attention": name, "causal": spec.causal}
+    if limit.passed():
+        rows.append({**base, "dtype": "-", "backend": "-", "status": TIME_LIMIT, "note": limit.note()})
+        return
+    if spec.skip_reason:
+        rows.append({**base, "dtype": "-", "backend": "-", "status": "n/a", "note": spec.skip_reason})
+        return
+    generator = torch.Generator().manual_seed(int(cfg.seed))
+    q, k, v, grad_out = (torch.randn(B, H, L, D, generator=generator, dtype=torch.float64) for _ in range(4))
+    for dtype_name in spec_cfg.dtypes:
+        start, since = len(rows), time.perf_counter()
+        dtype = cells.DTYPES[str(dtype_name)]
+        tol = spec_cfg.tolerance[str(dtype_name)]
+        # the inputs rounded to the dtype, so the reference and the candidate see the same numbers
+        qd, kd, vd = (x.to(dtype).to(device) for x in (q, k, v))
+        q64, k64, v64 = (x.double() for x in (qd, kd, vd))
+        g64 = grad_out.to(device)
+        try:
+            reference = _build(spec.registry_name, spec.kwargs, "explicit", device, dtype, int(cfg.seed)).double()
+            ref_out, ref_grads = _forward_backward(reference, q64, k64, v64, g64, int(cfg.seed), True)
+            with torch.no_grad():  # an instance's flag: fnet's hidden-axis DFT is not one (L, L) matrix
+                matrix_out = reference.attention_matrix(q64, k64, v64) @ v64 if reference.matrix_is_exact else None
+        except Exception as error:
+            rows.append({**base, "dtype": str(dtype_name), "backend": "explicit (fp64 reference)",
+                         "status": "error", "note": cells.error_text(error)})
             _progress(rows, start, since)
-    return rows
+            continue
+        for backend in chosen:
+            row = {**base, "dtype": str(dtype_name), "backend": backend, "output_err": math.nan,
+                   "matrix_err": math.nan, "grad_err": math.nan, "note": ""}
+            try:
+                attn = _build(spec.registry_name, spec.kwargs, backend, device, dtype, int(cfg.seed))
+            except AttentionConfigError as error:
+                rows.append({**row, "status": "n/a", "note": str(error)})
+                continue
+            backward = True
+            try:
+                try:
+                    out, grads = _forward_backward(attn, qd, kd, vd, g64, int(cfg.seed), True)
+                except AttentionConfigError as error:  # e.g. flex on CPU: no backward, check the forward
+                    backward = False
+                    out, grads = _forward_backward(attn, qd, kd, vd, g64, int(cfg.seed), False)
+                    row["note"] = f"forward only: {error}"
+            except AttentionConfigError as error:
+                rows.append({**row, "status": "n/a", "note": str(error)})
+                continue
+            except Exception as error:
+                rows.append({**row, "status": "error", "note": cells.error_text(error)})
+                continue
+            row["output_err"] = relative_error(out, ref_out)
+            if matrix_out is not None:
+                row["matrix_err"] = relative_error(out, matrix_out)
+            if backward:
+                missing = sorted(set(ref_grads) - set(grads))
+                row["grad_err"] = max((relative_error(grads[n], ref_grads[n]) for n in ref_grads if n in grads),
+                                      default=0.0)
+                if missing:
+                    row["note"] = f"no gradient for {missing}"
+            ok = row["output_err"] <= tol.output and (math.isnan(row["matrix_err"]) or row["matrix_err"] <= tol.output)
+            ok = ok and (not backward or (row["grad_err"] <= tol.grad and not row["note"]))
+            bad = [x for x in (out, *grads.values()) if not torch.isfinite(x).all()]
+            status = "pass" if ok and not bad else "FAIL"
+            if status == "FAIL" and not bad and attn.pattern_from_data and dtype in LOW_PRECISION:
+                status, row["note"] = _own_pattern_check(attn, qd, kd, vd, out, tol.output, int(cfg.seed))
+            rows.append({**row, "status": status})
+        _progress(rows, start, since)
 
 
 def _own_pattern_check(attn, q, k, v, out: torch.Tensor, tolerance: float, seed: int) -> tuple[str, str]:

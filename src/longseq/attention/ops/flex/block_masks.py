@@ -15,13 +15,16 @@ the next call finds the entry and compiles without it).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from longseq.attention.ops.flex import calls
 from longseq.attention.ops.flex.calls import TILE, FlexCall, whole_tiles
 
 # The builder evaluates the mask_mod on a (B, H, rows, KV) index grid per chunk of query tiles: at most this many
@@ -166,3 +169,21 @@ def _all_partial(mask: BlockMask) -> BlockMask:
 def clear_registry() -> None:
     """Forget every static layout (tests; a process that changes devices)."""
     _REGISTRY.clear()
+
+
+@contextlib.contextmanager
+def summary_copies_every(rows: int | None):
+    """Within: every call lays out its summaries once per ``rows`` queries, whatever their count
+    (``FlexCall.summary_copies``), so a short sequence takes the path long ones do (``make gpu-check``'s correctness
+    at L = 256); layouts built within are forgotten on leaving. ``rows`` None: the rule as it is."""
+    if rows is None:
+        yield
+        return
+    saved = calls.COPY_ROWS, calls.COPY_KEY_SHARE
+    calls.COPY_ROWS, calls.COPY_KEY_SHARE = int(rows), math.inf
+    clear_registry()
+    try:
+        yield
+    finally:
+        calls.COPY_ROWS, calls.COPY_KEY_SHARE = saved
+        clear_registry()
