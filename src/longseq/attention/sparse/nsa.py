@@ -467,7 +467,9 @@ class NativeSparseAttention(BlockGrid, Attention):
     def flex_calls(self, length: int, device: torch.device) -> list[FlexCall]:
         """Compression: the queries against the pooled tokens alone (causal: the complete blocks); selection: the
         forced blocks (block 0, the own block and the ``local_blocks - 1`` before it; causal: up to self) as a static
-        call, the free picks on gathered queries (``flex_extra_parts``); window: the band."""
+        call, the free picks on gathered queries (``flex_extra_parts``); window: the band. Block 0, which every query
+        attends, is that call's regions (one key each) rather than its direct keys, so its key tiles are copied
+        per query rows as summaries are (``FlexCall.summary_copies``)."""
         L, m, causal = length, self.block_size, self.causal
         l, d, local = self.compress_block, self.compress_stride, self.local_blocks
         C = self.n_compressed(L)
@@ -481,16 +483,26 @@ class NativeSparseAttention(BlockGrid, Attention):
             pos = torch.arange(L, device=device).view(1, L)
             return (pos >= start) & (pos < start + l)
 
-        def forced(b, h, q, kv):
+        def forced(b, h, q, kv):  # block 0: the regions below
             own, block = q // m, kv // m
-            ok = (block == 0) | ((block <= own) & (block > own - local))
+            ok = (block > 0) & (block <= own) & (block > own - local)
             return ok & (kv <= q) if causal else ok
+
+        def first_block_usable(b, h, q, r):
+            return r <= q if causal else r >= 0
+
+        def first_block_members():
+            return torch.eye(m, L, dtype=torch.bool, device=device)
+
+        def first_block(qs, k, v, real):
+            return k[..., :m, :], v[..., :m, :], None if real is None else real[:, :m]
 
         def window(b, h, q, kv):
             return (q - kv <= back) & (kv - q <= ahead)
 
         return [FlexCall(None, None, C, complete, compressed_members, group=0),
-                FlexCall(forced, group=1, fallback=same_block(m, causal)),
+                FlexCall(forced, n_regions=m, usable=first_block_usable, members=first_block_members,
+                         summaries=first_block, group=1, fallback=same_block(m, causal)),
                 FlexCall(window, group=2)]
 
     def flex_batch_state(self, qs, k, v, real, tile):

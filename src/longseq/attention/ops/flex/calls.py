@@ -61,9 +61,9 @@ class FlexCall:
         summary_order: ``(R,)`` long, the row of the variant's summaries (``Attention.flex_summaries``) that each
             summary slot of the KV takes (None: the same order). The order of the summaries in KV only decides how
             many tiles a call visits, never its result.
-        summaries: ``summaries(qs, k, v, real) -> (k_bar, v_bar, occupied)`` for a call of a layout that depends on
-            the batch (``Attention.flex_data_calls``: its regions are this batch's clusters); None: the variant's
-            ``flex_summaries``.
+        summaries: ``summaries(qs, k, v, real) -> (k_bar, v_bar, occupied)``: the call's own summaries (a layout
+            that depends on the batch, ``Attention.flex_data_calls``: this batch's clusters; ``nsa``: block 0's keys,
+            one a region, so their tiles are copied as summaries are); None: the variant's ``flex_summaries``.
         fallback: the direct keys a query takes when padding leaves its group nothing (``ops.padding``'s rule 3);
             None: ``direct`` itself.
     """
