@@ -86,6 +86,9 @@ def test_cli_quick_preset_covers_every_registered_attention(tmp_path: Path) -> N
     assert 0 < float(tiles[("combiner_fixed", 128)]) < 1 and tiles[("combiner_fixed", 64)] == ""
     tile_rows = read_rows(run_dir / "tiles.csv")
     assert {r["attention"] for r in tile_rows} == expected
+    # the backward's longest loop ÷ causal full's: a fraction where the layout keeps query tiles apart
+    loops = {r["attention"]: r["flex_longest_loop"] for r in tile_rows}
+    assert loops["full"] == "" and 0 < float(loops["combiner_fixed"]) <= 1
     assert "flex tiles visited" in done.stdout
 
 

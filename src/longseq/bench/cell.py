@@ -366,20 +366,21 @@ def call_isolated(fn: Callable[..., Any], *args: Any, timeout_s: float | None = 
     return value
 
 
-# -- the hardware-independent column: tiles the flex backend's block masks visit ---------------------------
-def flex_tiles(registry_name: str, length: int, kwargs: dict[str, Any], tile: int) -> tuple[float, str]:
-    """Tiles (``tile`` x ``tile``) visited by the flex backend's block masks for one attention at ``length``, divided
-    by causal full attention's (``ops.flex.flex_tiles_visited``; counted from the ``BlockMask``s, nothing runs), and
-    a note: NaN with the reason where the variant has no flex layout or cannot be built."""
+# -- the hardware-independent columns: what the flex backend's block masks visit -----------------------------
+def flex_tiles(registry_name: str, length: int, kwargs: dict[str, Any], tile: int) -> tuple[float, float, str]:
+    """For one attention at ``length``, from the flex backend's block masks (nothing runs): the tiles (``tile`` x
+    ``tile``) they visit and their backward's longest loop, each divided by causal full attention's
+    (``ops.flex.flex_tiles_visited``, ``ops.flex.flex_longest_loop``), and a note: NaN with the reason where the
+    variant has no flex layout or cannot be built."""
     from longseq.attention import ATTENTION_REGISTRY, build_attention
-    from longseq.attention.ops.flex import flex_tiles_visited
+    from longseq.attention.ops.flex import flex_longest_loop, flex_tiles_visited
 
     try:
         reason = ATTENTION_REGISTRY[registry_name].cls.flex_reason()
         if reason is not None:  # no module built: some hold (L, L) parameters (synthesizer)
-            return math.nan, reason
+            return math.nan, math.nan, reason
         attention = build_attention(registry_name, **kwargs)
-        value = flex_tiles_visited(attention, length, tile=tile)
-        return value, "" if not math.isnan(value) else "its block masks depend on the batch (clusters, chosen blocks)"
+        value, loop = flex_tiles_visited(attention, length, tile=tile), flex_longest_loop(attention, length, tile=tile)
+        return value, loop, "" if not math.isnan(value) else "its block masks depend on the batch (clusters, chosen blocks)"
     except Exception as error:  # one variant's failure is a note, not a stopped sweep
-        return math.nan, f"{type(error).__name__}: {error}".splitlines()[0]
+        return math.nan, math.nan, f"{type(error).__name__}: {error}".splitlines()[0]

@@ -17,7 +17,7 @@ This package knows no variant:
 from longseq.attention.ops.flex.block_masks import BUILDS, build_block_mask, static_layout, tiles_of
 from longseq.attention.ops.flex.calls import TILE, FlexCall, tile_size
 from longseq.attention.ops.flex.engine import flex_forward, merge_by_lse
-from longseq.attention.ops.flex.inspection import flex_partition, flex_tiles_visited
+from longseq.attention.ops.flex.inspection import flex_longest_loop, flex_partition, flex_tiles_visited
 
-__all__ = ["BUILDS", "TILE", "FlexCall", "build_block_mask", "flex_forward", "flex_partition", "flex_tiles_visited",
-           "merge_by_lse", "static_layout", "tile_size", "tiles_of"]
+__all__ = ["BUILDS", "TILE", "FlexCall", "build_block_mask", "flex_forward", "flex_longest_loop", "flex_partition",
+           "flex_tiles_visited", "merge_by_lse", "static_layout", "tile_size", "tiles_of"]

@@ -1,5 +1,6 @@
-"""What a flex layout visits and means, without running an attention: tiles against causal full attention's (the
-benchmark's hardware-independent column) and the calls' masks back as one dense ``Partition`` (tests)."""
+"""What a flex layout visits and means, without running an attention: tiles against causal full attention's and its
+backward's longest serial loop (the benchmark's hardware-independent columns), and the calls' masks back as one
+dense ``Partition`` (tests)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,21 @@ def flex_tiles_visited(attn, L: int, device="cpu", tile: int = TILE) -> float:
     layout = static_layout(attn, L, torch.device(device), tile)
     total = sum(tiles_of(mask) / call.heads for call, mask in zip(layout.calls, layout.masks))
     return total / causal_full_tiles(L, tile)
+
+
+def flex_longest_loop(attn, L: int, device="cpu", tile: int = TILE) -> float:
+    """The most query tiles that visit one key tile in any static call, divided by the query tiles of the sequence
+    (causal full attention's longest, at key tile 0). FlexAttention's backward computes each key tile's dK and dV in
+    one program that loops over those query tiles, so this is the backward's serial chain, hardware independent:
+    1.0 where every query uses the same key tile (summaries laid out once, ``calls.FlexCall.summary_copies``). The
+    blocks that ``moba``, ``nsa`` and ``combiner_select`` choose per batch are not counted; NaN for the k-means
+    layouts (every call from the data)."""
+    if attn.flex_from_data:
+        return math.nan
+    layout = static_layout(attn, L, torch.device(device), tile)
+    longest = max(int((mask.q_num_blocks + (0 if mask.full_q_num_blocks is None else mask.full_q_num_blocks)).max())
+                  for mask in layout.masks)
+    return longest / -(-L // tile)
 
 
 def flex_partition(attn, L: int, head: int = 0) -> Partition:
