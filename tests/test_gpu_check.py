@@ -195,6 +195,9 @@ def test_the_quick_preset_writes_its_report_within_a_short_lease(tmp_path):
     selecting = {"moba", "nsa", "combiner_select"}
     assert selecting <= set(cfg.fig3.attentions) and {16384, 65536} <= set(cfg.fig3.lengths)
     assert {(65536, name, "none") for name in selecting} <= set(gpu.profile_units(cfg))
+    # a profiled layer whose graph a Fig. 3 unit compiles is not compiled again beside it in the warm-up
+    warmed = [unit for kind, unit in gpu.warm_up_tasks(cfg) if kind == "profile"]
+    assert warmed == [unit for unit in gpu.profile_units(cfg) if unit[1] not in cfg.fig3.attentions] == []
 
 
 def test_the_profile_runs_each_length_in_turn(tmp_path):
@@ -205,7 +208,7 @@ def test_the_profile_runs_each_length_in_turn(tmp_path):
     assert [(r["length"], r["attention"]) for r in rows] == [(16, "full"), (16, "combiner_fixed"), (32, "full"),
                                                               (32, "combiner_fixed")]
     assert all(r["status"] == "ok" and r["host_ms"] > 0 for r in rows)
-    assert [unit for kind, unit in gpu.warm_up_tasks(cfg) if kind == "profile"] == gpu.profile_units(cfg)
+    assert [unit for kind, unit in gpu.warm_up_tasks(cfg) if kind == "profile"] == gpu.profile_units(cfg)  # not in fig3
     for table in (gpu.profile_table(rows), gpu.events_table(rows)):
         assert "| combiner_fixed | 16 | none |" in table and "| combiner_fixed | 32 | none |" in table
 

@@ -640,11 +640,22 @@ def warm_up_tasks(cfg: DictConfig) -> list[tuple[str, tuple]]:
     instead, so what the limit cuts is what would have run last."""
     tasks = [("correctness", (name,)) for name in _names(cfg.correctness.attentions)]
     tasks += [("fig3", (name,)) for name in _names(cfg.fig3.attentions)]
-    tasks += [("profile", unit) for unit in profile_units(cfg)]
+    tasks += [("profile", unit) for unit in profile_units(cfg) if not _compiled_by_fig3(cfg, *unit)]
     tasks += [("train", case) for case in train_cases(cfg)]
     heavy_first = ("train", "fig3", "profile", "correctness")
     order = heavy_first if cfg.get("time_limit_s") is None else heavy_first[::-1]
     return sorted(tasks, key=lambda task: order.index(task[0]))
+
+
+def _compiled_by_fig3(cfg: DictConfig, L: int, name: str, compile_mode: str) -> bool:
+    """Whether a Fig. 3 warm-up unit compiles the graph this profiled layer runs (the same attention, length, shape,
+    dtype, block size and mode): its warm-up unit would compile it again, beside it, for nothing."""
+    f, p = cfg.fig3, cfg.profile
+    shape = {"batch": int(p.batch), "heads": int(p.heads), "head_dim": int(p.head_dim)}
+    return (name in _names(f.attentions) and L in {int(n) for n in f.lengths} and bool(f.causal)
+            and shape in [{key: int(s[key]) for key in shape} for s in f.shapes] and str(f.dtype) == str(p.dtype)
+            and f.block_size == p.block_size and "fwd_bwd" in _modes(f.mode)
+            and compile_mode in compile_modes(f.get("compile", "none")))
 
 
 def _warm_task(cfg_yaml: str, device: str, kind: str, args: tuple, threads: int) -> list[dict[str, Any]]:
