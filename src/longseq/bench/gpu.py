@@ -31,9 +31,9 @@ the timed stages then run alone in this process on inductor's on-disk caches.
 
 ``time_limit_s`` bounds the whole check (``TimeLimit``): past it nothing starts, a compiling warm-up unit is stopped,
 and what was left out reads ``time_limit``. ``preset=quick`` is the list for one H100 / H200 lease (its warm-up
-alone about 200 s by the stage times of docs/gpu_check_h100.md, an estimate), cut at 270 s; ``dry=true`` runs every stage on CPU at tiny
-sizes (``presets.dry``; DDP as gloo processes), so the pipeline is exercised by the fast suite. Exit status 1 when a
-correctness check or DDP fails or was left out.
+alone about 200 s by the stage times of docs/gpu_check_h100.md, an estimate), cut at 270 s; ``dry=true`` runs
+every stage on CPU at tiny sizes (``presets.dry``; DDP as gloo processes), so the pipeline is exercised by the fast
+suite. Exit status 1 when a correctness check or DDP fails or was left out.
 """
 
 from __future__ import annotations
