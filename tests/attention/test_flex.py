@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 
 import pytest
 import torch
@@ -32,6 +33,7 @@ from longseq.attention.ops.flex import (
     flex_longest_loop,
     flex_partition,
     flex_tiles_visited,
+    selection,
     static_layout,
     tile_size,
     tiles_of,
@@ -642,6 +644,38 @@ def test_chosen_blocks_on_gathered_queries_straddle_tiles(name, length, block):
             kwargs = {} if key_padding is None else {"key_padding_mask": key_padding}
             torch.testing.assert_close(flex_forward(attn, q, k, v, key_padding),
                                        attn.attention_matrix(q, k, v, **kwargs) @ v, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name", SELECTING)
+def test_the_query_buffer_is_sized_by_the_pairs_the_rule_can_make(name, causal, monkeypatch):
+    """The gathered call's buffer holds ``most_pairs`` pairs (``pair_bound``), not ``L x k``: unpadded, every batch
+    makes exactly that many (the bound is tight: ``nsa``'s free picks, the others' ``min(k, blocks)``); under key
+    padding at most that many (a pair past the bound would be lost); the forward is the dense reference's."""
+    if not ATTENTION_REGISTRY[name].cls.supports_bidirectional and not causal:
+        pytest.skip("causal only")
+    attn = build(name, causal, seq_len=L, block_size=BLOCK).eval()
+    module = sys.modules[type(attn).__module__]
+    seen = []
+
+    def spy(qs, k, v, chosen, ok, *args, most_pairs=None, **kwargs):
+        seen.append((ok.sum((-2, -1)), most_pairs, chosen.shape[-2] * chosen.shape[-1]))
+        return selection.selected_blocks(qs, k, v, chosen, ok, *args, most_pairs=most_pairs, **kwargs)
+
+    monkeypatch.setattr(module, "selected_blocks", spy)
+    pad = torch.zeros(2, L, dtype=torch.bool)
+    pad[0, : BLOCK + 3] = True  # block 0 padded: nsa's forced first block leaves its pick free
+    pad[1, L - BLOCK - 5 :] = True
+    q, k, v = random_qkv(L=L, dtype=torch.float32, seed=14)
+    with torch.no_grad():
+        for key_padding in (None, pad):
+            kwargs = {} if key_padding is None else {"key_padding_mask": key_padding}
+            torch.testing.assert_close(flex_forward(attn, q, k, v, key_padding),
+                                       attn.attention_matrix(q, k, v, **kwargs) @ v, atol=1e-5, rtol=0)
+    (unpadded, most, every), (padded, most_padded, _) = seen
+    assert (unpadded == most).all() and most <= every
+    assert most < every or (name != "nsa" and not causal)  # bidirectional k of the other blocks: L x k
+    assert (padded <= most_padded).all() and most_padded <= every
 
 
 @pytest.mark.parametrize("causal", [True, False])

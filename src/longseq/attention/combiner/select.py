@@ -45,7 +45,7 @@ from longseq.attention.ops.block_select import (
 )
 from longseq.attention.ops.cpu.flash_lse import flash_lse, pad_for_flash
 from longseq.attention.ops.decoding import PartitionDecoder, PartitionState, index_table
-from longseq.attention.ops.flex.selection import selected_blocks
+from longseq.attention.ops.flex.selection import other_block_pairs, selected_blocks
 from longseq.attention.ops.masks import NEG_INF
 from longseq.attention.ops.partition import Partition
 from longseq.attention.registry import (
@@ -247,7 +247,9 @@ class CombinerSelectAttention(PartitionDecoder, Attention):
         chosen, ok = state[3:]
         if chosen is None:
             return []
-        return [(0, *selected_blocks(qs, k, v, chosen, ok, self.inner.block_size, tile, real))]
+        L, m = qs.shape[-2], self.inner.block_size
+        most = other_block_pairs(L, m, self.top_k, self.causal)
+        return [(0, *selected_blocks(qs, k, v, chosen, ok, m, tile, real, most_pairs=most))]
 
     # -- the contract ---------------------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

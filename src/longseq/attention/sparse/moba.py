@@ -42,7 +42,7 @@ from longseq.attention.ops.block_select import (
 )
 from longseq.attention.ops.decoding import KVCache
 from longseq.attention.ops.flex.calls import FlexCall, same_block
-from longseq.attention.ops.flex.selection import selected_blocks
+from longseq.attention.ops.flex.selection import other_block_pairs, selected_blocks
 from longseq.attention.ops.geometry import BlockGrid
 from longseq.attention.ops.masks import NEG_INF, full_mask, other_blocks_mask
 from longseq.attention.registry import register_attention
@@ -154,7 +154,9 @@ class MobaAttention(BlockGrid, Attention):
         if self.top_k == 0:
             return []
         chosen, ok = state
-        return [(0, *selected_blocks(qs, k, v, chosen, ok, self.block_size, tile, real))]
+        L, m = qs.shape[-2], self.block_size
+        most = other_block_pairs(L, m, self.top_k, self.causal)
+        return [(0, *selected_blocks(qs, k, v, chosen, ok, m, tile, real, most_pairs=most))]
 
     def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:

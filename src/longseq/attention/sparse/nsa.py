@@ -69,7 +69,7 @@ from longseq.attention.ops.block_select import (
 from longseq.attention.ops.cpu.flash_lse import flash_lse, pad_for_flash
 from longseq.attention.ops.decoding import KVCache
 from longseq.attention.ops.flex.calls import FlexCall, same_block
-from longseq.attention.ops.flex.selection import selected_blocks
+from longseq.attention.ops.flex.selection import pair_bound, selected_blocks
 from longseq.attention.ops.geometry import BlockGrid
 from longseq.attention.ops.masks import NEG_INF, full_mask
 from longseq.attention.registry import register_attention
@@ -522,7 +522,24 @@ class NativeSparseAttention(BlockGrid, Attention):
 
     def flex_extra_parts(self, state, qs, k, v, real, tile):
         chosen, free = state[4:]
-        return [(1, *selected_blocks(qs, k, v, chosen, free, self.block_size, tile, real, causal=self.causal))]
+        most = self.free_pairs(qs.shape[-2], padded=real is not None)
+        return [(1, *selected_blocks(qs, k, v, chosen, free, self.block_size, tile, real, causal=self.causal,
+                                     most_pairs=most))]
+
+    def free_pairs(self, length: int, padded: bool) -> int:
+        """The most free (not forced) picks at ``length`` (``ops.flex.selection.pair_bound``). A query of selection
+        block s may choose c = s + 1 blocks (causal; S otherwise) and ``choose`` always takes its f forced ones
+        (s + 1 for s < ``local_blocks``, else block 0 and the ``local_blocks`` latest), so it has min(n, c) - min(n,
+        f) free picks (n = ``select_blocks``): one of the default four. Under key padding an empty forced block
+        leaves its pick free, so the bound is min(n, c) there."""
+        S, n, local = length // self.block_size, self.select_blocks, self.local_blocks
+
+        def picks(s: int) -> int:
+            choosable = s + 1 if self.causal else S
+            forced = 0 if padded else (s + 1 if s < local else local + 1)
+            return min(n, choosable) - min(n, forced)
+
+        return pair_bound(length, self.block_size, picks)
 
     def flex_group_weights(self, state, q):
         has_compressed = state[3].unsqueeze(-1)  # (B|1, 1, L, 1)

@@ -6,7 +6,9 @@ flex form of the CPU engine's grouped tiles (``ops.block_select.grouped_attentio
 
 - the (query, chosen block) pairs are sorted by block; each block's pairs fill whole tiles of a query buffer of
   static length (``buffer_rows``: every pair plus at most a tile's padding per block), so every tile of the buffer
-  attends ONE key block, whose key tiles its row of ``kv_indices`` names (``BlockMask.from_kv_blocks``);
+  attends ONE key block, whose key tiles its row of ``kv_indices`` names (``BlockMask.from_kv_blocks``). "Every
+  pair" is the most the variant's rule can choose at that length (``pair_bound``), not ``L x k``: ``nsa``'s forced
+  blocks leave it one free pick of its four, so a buffer sized for four held three empty rows per query;
 - the buffer holds the queries (a gather of q), the keys and values are the layer's own (no copy); the mask_mod keeps
   the block's keys (and, causal, those up to the pair's query; under padding the real ones);
 - each pair's output and log-sum-exp are gathered back and merged over the query's choices (one softmax over the
@@ -16,6 +18,8 @@ Everything is built on the device from the choices (sorts, cumulative sums, scat
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
@@ -29,18 +33,35 @@ def buffer_rows(pairs: int, blocks: int, tile: int) -> int:
     return whole_tiles(pairs + blocks * (tile - 1), tile)
 
 
+def pair_bound(length: int, block_size: int, picks: Callable[[int], int]) -> int:
+    """The most (query, block) pairs a selection can make at ``length`` when each query of block ``s`` (keys
+    ``[s m, (s + 1) m)``, the last block possibly short) makes at most ``picks(s)``: plain integer arithmetic on the
+    geometry, so a traced layer reads nothing from the device."""
+    m = block_size
+    return sum(min(m, length - s * m) * picks(s) for s in range(-(-length // m)))
+
+
+def other_block_pairs(length: int, block_size: int, k: int, causal: bool) -> int:
+    """``pair_bound`` of a rule that picks ``k`` of the query's other blocks (``moba``, ``combiner_select``): the
+    earlier blocks when ``causal``, every other block otherwise (``ops.masks.other_blocks_mask``)."""
+    n = length // block_size
+    return pair_bound(length, block_size, lambda s: min(k, s if causal else n - 1))
+
+
 def selected_blocks(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chosen: torch.Tensor, ok: torch.Tensor,
-                    block_size: int, tile: int, real: torch.Tensor | None = None,
-                    causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    block_size: int, tile: int, real: torch.Tensor | None = None, causal: bool = False,
+                    most_pairs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query over the keys of its chosen blocks, one softmax: scaled ``qs`` ``(B, H, L, D)``, k, v
     ``(B, H, L, .)``, ``chosen`` / ``ok`` ``(B, H, L, K)`` (block ``c`` = keys ``[c m, (c + 1) m)``; ``ok`` False: no
     block) -> output ``(B, H, L, Dv)`` and lse ``(B, H, L)`` (-inf where no key is left). ``real`` ``(B, L)``: the
-    real keys; ``causal``: keys after the query are left out."""
+    real keys; ``causal``: keys after the query are left out; ``most_pairs``: how many ``ok`` pairs the variant's
+    rule can make at most (``pair_bound``; None: ``L K``), which sizes the query buffer (a pair past it is lost, so
+    the bound must hold for every batch)."""
     B, H, L, K = chosen.shape
     m = block_size
     n = -(-L // m)  # blocks (the last may be short)
     P = L * K
-    R = buffer_rows(P, n, tile)
+    R = buffer_rows(P if most_pairs is None else min(most_pairs, P), n, tile)
     device = chosen.device
     block = torch.where(ok, chosen, n).reshape(B, H, P)  # no choice: the sentinel block n, sorted last, dropped
     order = torch.sort(block, dim=-1, stable=True).indices
