@@ -574,6 +574,32 @@ def test_the_compiled_layer_frame_keeps_a_recompile_per_layout_and_length():
     engine._compiled.cache_clear()
 
 
+def test_the_cpu_flex_reads_the_tile_tables_as_the_gpu_kernels_do():
+    """The CPU forward every flex test compares (``ops.cpu.kernels.flex_reference``) visits only the tiles a block
+    mask names: a tile its tables leave out drops its keys, a full tile skips the mask_mod, as on a GPU. Without
+    this, a layout whose tables missed a tile would pass every CPU test and drop keys on the device."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from longseq.attention.ops.cpu.kernels import flex_reference
+
+    q, k, v = random_qkv(B=1, H=1, L=256, D=16, dtype=torch.float32, seed=15)
+    partial, partial_tiles = torch.tensor([[[1, 0]]]), torch.tensor([[[[1, 0], [0, 1]]]])  # q tile 0: kv tile 1
+    full, full_tiles = torch.tensor([[[0, 1]]]), torch.tensor([[[[0, 1], [0, 1]]]])  # q tile 1: kv tile 0, full
+
+    def even_keys(b, h, q_, kv):
+        return kv % 2 == 0
+
+    mask = BlockMask.from_kv_blocks(*(x.int() for x in (partial, partial_tiles, full, full_tiles)), BLOCK_SIZE=128,
+                                    mask_mod=even_keys, seq_lengths=(256, 256))
+    out, lse = flex_reference(q, k, v, mask)
+    allowed = torch.zeros(256, 256, dtype=torch.bool)
+    allowed[:128, 128::2] = True  # partial tile: the mask_mod's cells only
+    allowed[128:, :128] = True  # full tile: every cell, the mask_mod not read
+    logits = (q @ k.transpose(-1, -2)).masked_fill(~allowed, float("-inf"))
+    torch.testing.assert_close(out, logits.softmax(-1) @ v, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lse, logits.logsumexp(-1), atol=1e-5, rtol=0)
+
+
 def test_static_layouts_pad_keys_to_whole_tiles():
     """Every call's KV is a whole number of tiles (its slots past the keys and summaries masked), so no kernel ever
     materializes a ragged last tile (combiner_logsparse at 65,536: KV 98,303 cost a dense Q x KV mask on an H200)."""
