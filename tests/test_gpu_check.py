@@ -139,8 +139,8 @@ def test_a_warm_up_unit_whose_process_dies_costs_only_itself(tmp_path, capsys):
     rows, compiled = gpu.warm_up(cfg, "cpu", task=crash_in_fixed_correctness)
     assert [r["attention"] for r in rows] == sorted((r["attention"] for r in rows), key=["full", "fixed"].index)
     assert {r["attention"] for r in rows} == {"full", "fixed"} and all(r["status"] in gpu.PASSED for r in rows)
-    assert compiled == {("correctness", ("full",)), ("fig3", ("full",)), ("profile", (32, "full", "none")),
-                        ("train", ("full", 48, 4, "none"))}
+    assert compiled == {("correctness", ("full",)), ("fig3", ("full", 32)), ("fig3", ("full", 64)),
+                        ("profile", (32, "full", "none")), ("train", ("full", 48, 4, "none"))}
     log = capsys.readouterr().out
     assert "warm-up correctness ('fixed',): worker killed by SIGSEGV" in log
     assert "fixed float32 explicit: pass" in log  # the rerun here
@@ -198,6 +198,9 @@ def test_the_quick_preset_writes_its_report_within_a_short_lease(tmp_path):
     # a profiled layer whose graph a Fig. 3 unit compiles is not compiled again beside it in the warm-up
     warmed = [unit for kind, unit in gpu.warm_up_tasks(cfg) if kind == "profile"]
     assert warmed == [unit for unit in gpu.profile_units(cfg) if unit[1] not in cfg.fig3.attentions] == []
+    # a Fig. 3 unit per (attention, length), so the 8 workers share the 24 compilations out evenly
+    fig3_units = [unit for kind, unit in gpu.warm_up_tasks(cfg) if kind == "fig3"]
+    assert len(fig3_units) == len(set(fig3_units)) == len(cfg.fig3.attentions) * len(cfg.fig3.lengths) == 24
 
 
 def test_the_profile_runs_each_length_in_turn(tmp_path):
