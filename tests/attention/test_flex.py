@@ -704,6 +704,37 @@ def test_the_query_buffer_is_sized_by_the_pairs_the_rule_can_make(name, causal, 
     assert (padded <= most_padded).all() and most_padded <= every
 
 
+@pytest.mark.parametrize("name", SELECTING)
+def test_the_flex_path_scores_in_row_chunks_as_in_one_piece(name, monkeypatch):
+    """The choice on the flex path is scored in chunks of query rows (``ops.block_select.by_query_chunks``, bounded
+    by ``SCORE_CHUNK_BYTES``): chunks of a few rows give the output of one piece, bit for bit, padded or not."""
+    from longseq.attention.ops import block_select
+
+    attn = build(name, True, seq_len=L, block_size=BLOCK).eval()
+    module = sys.modules[type(attn).__module__]
+    scored = []  # rows of each top_blocks call (one per chunk)
+
+    def counted(scores, k):
+        scored.append(scores.shape[-2])
+        return block_select.top_blocks(scores, k)
+
+    monkeypatch.setattr(module, "top_blocks", counted)
+    pad = torch.zeros(2, L, dtype=torch.bool)
+    pad[1, L - BLOCK - 3 :] = True
+    q, k, v = random_qkv(L=L, dtype=torch.float32, seed=16)
+    with torch.no_grad():
+        for key_padding in (None, pad):
+            scored.clear()
+            whole = flex_forward(attn, q, k, v, key_padding)
+            assert scored == [L]
+            scored.clear()
+            with monkeypatch.context() as patch:
+                patch.setitem(block_select.SCORE_CHUNK_BYTES, "cpu", 1)  # one query row a chunk
+                chunked = flex_forward(attn, q, k, v, key_padding)
+            assert scored == [1] * L
+            assert torch.equal(whole, chunked)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("name", SELECTING)
 def test_near_tie_selections_are_the_variants_own(name, causal):

@@ -34,6 +34,7 @@ from longseq.attention.base import Attention, AttentionConfigError, check_int_kn
 from longseq.attention.ops.block_select import (
     CPU_FLASH,
     block_attention,
+    by_query_chunks,
     flash_inputs,
     gather_keys,
     grouped_attention,
@@ -213,7 +214,9 @@ class CombinerSelectAttention(PartitionDecoder, Attention):
 
     def flex_batch_state(self, qs, k, v, real, tile):
         """The segments' summaries (the inner Combiner's) and each query's ``top_k`` usable segments by
-        ``q . k_bar`` (``choose``, the rule of ``forward``)."""
+        ``q . k_bar`` (``choose``, the rule of ``forward``), scored in chunks of query rows as ``moba`` and ``nsa``
+        score theirs (``by_query_chunks``): in one piece the fp32 scores and their integer keys were 2 x 537 MB at
+        L = 65,536 (H 8, 256 segments), more than the layer saves for its backward (about 640 MB)."""
         k_bar, v_bar, occupied = self.inner.flex_summaries(0, qs, k, v, real)
         L = qs.shape[-2]
         m = self.inner.block_size
@@ -223,7 +226,12 @@ class CombinerSelectAttention(PartitionDecoder, Attention):
         usable = usable.view(1, 1, L, -1) if occupied is None else usable & occupied.view(-1, 1, 1, L // m)
         if self.top_k == 0:
             return k_bar, v_bar, occupied, None, None
-        return k_bar, v_bar, occupied, *self.choose(qs, k_bar, None, usable)
+        B, H, n = qs.shape[0], qs.shape[1], L // m
+
+        def rows(qs_, usable_):
+            return self.choose(qs_, k_bar, None, usable_)
+
+        return k_bar, v_bar, occupied, *by_query_chunks(rows, L, B * H * n * 4, qs.device, qs, usable)
 
     def flex_summaries(self, index, qs, k, v, real, state=None):
         return state[:3]
