@@ -611,13 +611,15 @@ def test_static_layouts_pad_keys_to_whole_tiles():
     assert not dense[..., call.kv_len(256) :].any()
 
 
-@pytest.mark.parametrize("name", ["combiner_fixed", *(pytest.param(name, marks=pytest.mark.slow)
-                                                      for name in ("combiner_select", "nsa"))])
+@pytest.mark.parametrize("name", ["combiner_fixed", "combiner_logsparse",
+                                  *(pytest.param(name, marks=pytest.mark.slow) for name in ("combiner_select", "nsa"))])
 def test_no_summary_tile_makes_the_backward_loop_over_every_query_tile(name, monkeypatch):
     """FlexAttention's backward loops, for each key tile, over the query tiles that visit it. At L = 16,384 (m 128,
     the benchmark's geometry) every query used to visit the same 1 or 2 summary tiles: a serial loop over 127 or 128
-    query tiles (``flex_longest_loop``). Laid out once per ``COPY_ROWS`` queries, no tile is visited by more than
-    ``COPY_ROWS / TILE`` (32) query tiles, and every call visits as many tiles as before."""
+    query tiles (``flex_longest_loop``; ``combiner_logsparse``: its tile of big blocks, whose coarse levels' users
+    span the sequence). Laid out once per ``COPY_ROWS`` queries (``combiner_logsparse``: its big blocks only), no
+    tile is visited by more than ``COPY_ROWS / TILE`` (32) query tiles, and every call visits as many tiles as
+    before."""
     L_long, copy_rows = 16384, calls.COPY_ROWS
     q_tiles = L_long // TILE
 

@@ -41,6 +41,7 @@ import torch
 from longseq.attention.base import Attention
 from longseq.attention.combiner.summary import PooledCombiner, RegionSummary
 from longseq.attention.ops.amp import autocast_function
+from longseq.attention.ops.flex import calls
 from longseq.attention.ops.flex.calls import TILE, FlexCall
 from longseq.attention.ops.geometry import fenwick_blocks, num_log_levels
 from longseq.attention.ops.log_levels import (
@@ -150,7 +151,7 @@ class CombinerLogsparseAttention(PooledCombiner, Attention):
     # -- the flex layout (``ops.flex``): one call over [self and the raw neighbours ; every summarized block] ------
     def flex_calls(self, length: int, device: torch.device) -> list[FlexCall]:
         L, causal = length, self.causal
-        level, chunk, future = flex_regions(L, causal, device)
+        level, chunk, future, copy_from = flex_regions(L, causal, device)
 
         def direct(b, h, q, kv):
             ok = (kv == q) | ((kv == q - 1) & (q % 2 == 1))
@@ -170,7 +171,7 @@ class CombinerLogsparseAttention(PooledCombiner, Attention):
             return torch.where(future.unsqueeze(1), inside.flip(-1), inside)
 
         return [FlexCall(direct, None, level.numel(), usable, members,
-                         summary_order=flex_region_rows(level, chunk, future, L))]
+                         summary_order=flex_region_rows(level, chunk, future, L), copy_from=copy_from)]
 
     def flex_summaries(self, index: int, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        real: torch.Tensor | None, state=None):
@@ -244,7 +245,7 @@ class CombinerLogsparseAttention(PooledCombiner, Attention):
 
 
 @functools.cache
-def _flex_regions(L: int, causal: bool) -> torch.Tensor:
+def _flex_regions(L: int, causal: bool, big: int) -> tuple[torch.Tensor, int]:
     rows = []
     for future in ([False] if causal else [False, True]):
         for level in range(1, num_log_levels(L)):
@@ -252,22 +253,27 @@ def _flex_regions(L: int, causal: bool) -> torch.Tensor:
                 first_user = (chunk + 1) << level
                 if future:  # users of the mirrored block, in sequence order: L - 1 - p for p in the users
                     first_user = L - min(L, (chunk + 2) << level)
-                big = (1 << level) >= TILE
-                rows.append(((big, first_user, level, future), (level, chunk, future)))
+                rows.append((((1 << level) >= big, first_user, level, future), (level, chunk, future)))
     rows.sort(key=lambda row: row[0])
-    return torch.tensor([row[1] for row in rows], dtype=torch.long).view(-1, 3)
+    small = sum(not row[0][0] for row in rows)
+    return torch.tensor([row[1] for row in rows], dtype=torch.long).view(-1, 3), small
 
 
-def flex_regions(L: int, causal: bool, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The summarized blocks of the flex layout as tables ``(level, chunk, future)`` ``(R,)`` each, in KV order.
+def flex_regions(L: int, causal: bool, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The summarized blocks of the flex layout as tables ``(level, chunk, future)`` ``(R,)`` each, in KV order, and
+    the number of small ones (``FlexCall.copy_from``: the big ones are laid out in copies).
 
     Past block ``(l, c)`` (l >= 1, c even, full) is used by the queries p with ``p >> l == c + 1``; a future block is
     the mirror image (the past block of ``L - 1 - p`` in the reversed sequence). Order (tile count, not
     semantics): blocks shorter than a tile sorted by the first query that uses them, so a query tile's small
-    blocks sit in one or two key tiles; blocks of a tile or more (each used by whole query tiles) last.
+    blocks sit in one or two key tiles; blocks of a tile or more (each used by whole query tiles) last. A key tile
+    of big blocks is used by every query tile of their users, and the coarse levels' users span the sequence, so the
+    big blocks are the call's hot summaries (``calls.COPY_ROWS`` also bounds "big", so a test's short layout, whose
+    blocks are all under a tile, copies some).
     """
-    table = _flex_regions(L, causal).to(device)
-    return table[:, 0], table[:, 1], table[:, 2].bool()
+    table, small = _flex_regions(L, causal, min(TILE, calls.COPY_ROWS))
+    table = table.to(device)
+    return table[:, 0], table[:, 1], table[:, 2].bool(), small
 
 
 def flex_region_rows(level: torch.Tensor, chunk: torch.Tensor, future: torch.Tensor, L: int) -> torch.Tensor:

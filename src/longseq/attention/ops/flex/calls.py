@@ -13,7 +13,8 @@ in one program that loops over every query tile visiting it, so at L = 65,536 th
 tiles per key tile). Past ``COPY_ROWS`` queries the summaries are therefore laid out once per ``COPY_ROWS`` queries
 (``FlexCall.summary_copies``): each copy is visible to its own query rows only, so no loop is longer than
 ``COPY_ROWS / TILE`` query tiles; the softmax is unchanged (a query sees exactly one copy of each summary) and
-autograd sums the copies' gradients.
+autograd sums the copies' gradients. A call with many summaries, few of them hot, copies only those
+(``FlexCall.copy_from``: ``combiner_logsparse``'s blocks of a tile or more, whose users span many query tiles).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from longseq.attention.ops.geometry import Grid
 
 TILE = 128  # FlexAttention's default tile (queries x keys); ``tile_size`` shrinks it for short sequences
 COPY_ROWS = 32 * TILE  # query rows (in a call's order) that share one copy of its summaries
-COPY_KEY_SHARE = 1 / 8  # the copies add at most this share of L key slots; past it a call keeps one copy (logsparse)
+COPY_KEY_SHARE = 1 / 4  # the copies add at most this share of L key slots (memory, not tiles: a query visits its own
+# copy only); past it a call keeps one copy (every summary of combiner_logsparse would be 16 L at 65,536; its big ones
+# in copies are L / 8 causal, L / 4 bidirectional)
 
 
 def tile_size(L: int) -> int:
@@ -66,6 +69,8 @@ class FlexCall:
             one a region, so their tiles are copied as summaries are); None: the variant's ``flex_summaries``.
         fallback: the direct keys a query takes when padding leaves its group nothing (``ops.padding``'s rule 3);
             None: ``direct`` itself.
+        copy_from: the summaries (in KV order) from this one on are the hot ones, laid out in copies
+            (``summary_copies``); the ones before it sit once, before the copies (0: every summary is copied).
     """
 
     direct: Callable | None
@@ -80,18 +85,26 @@ class FlexCall:
     summary_order: torch.Tensor | None = None
     summaries: Callable | None = None
     fallback: Callable | None = None
+    copy_from: int = 0
 
     def summary_copies(self, L: int) -> tuple[int, int, int]:
-        """How the call's R summaries sit in its KV at length L: ``(copies, slots, rows)``, ``copies`` blocks of
-        ``slots`` slots each (R, or R padded to whole tiles when there are several copies), copy ``c`` visible to the
-        queries ``[c rows, (c + 1) rows)`` in the call's order (the module docstring says why). One copy up to
-        ``COPY_ROWS`` queries and where the copies would add more than ``COPY_KEY_SHARE`` L slots."""
+        """How the call's hot summaries (``copy_from`` on) sit in its KV at length L: ``(copies, slots, rows)``,
+        ``copies`` blocks of ``slots`` slots each (the hot summaries padded to whole tiles), copy ``c`` visible to the
+        queries ``[c rows, (c + 1) rows)`` in the call's order, after the ``cold_slots`` of the others (the module
+        docstring says why). ``(1, R, L)``: every summary once, up to ``COPY_ROWS`` queries and where the copies
+        would add more than ``COPY_KEY_SHARE`` L slots."""
         R = self.n_regions
+        hot = R - self.copy_from
         copies = -(-L // COPY_ROWS)
-        slots = whole_tiles(R, tile_size(L))
-        if not R or copies == 1 or copies * slots > L * COPY_KEY_SHARE:
+        slots = whole_tiles(hot, tile_size(L))
+        if not hot or copies == 1 or copies * slots > L * COPY_KEY_SHARE:
             return 1, R, L
         return copies, slots, COPY_ROWS
+
+    def cold_slots(self, L: int) -> int:
+        """KV slots of the summaries laid out once before the copies: ``copy_from`` padded to whole tiles, so no
+        tile holds both; 0 without copies (every summary in one block of R slots, ``summary_copies``)."""
+        return whole_tiles(self.copy_from, tile_size(L)) if self.summary_copies(L)[0] > 1 else 0
 
     def kv_len(self, L: int, direct_only: bool = False) -> int:
         """KV length of the call: [L keys ;] its summaries' slots (``summary_copies``; the keys alone with
@@ -100,22 +113,30 @@ class FlexCall:
         if direct_only:
             return keys
         copies, slots, _ = self.summary_copies(L)
-        return keys + copies * slots
+        return keys + self.cold_slots(L) + copies * slots
 
     def summary_kv(self, x: torch.Tensor, L: int) -> torch.Tensor:
-        """The summaries' slots of the KV from the R summaries ``x`` ``(B, H, R, D)``: each copy padded to its slots
-        (zeros, masked) -> ``(B, H, copies * slots, D)`` (``summary_copies``)."""
+        """The summaries' slots of the KV from the R summaries ``x`` ``(B, H, R, D)``: the cold ones padded to their
+        slots, then each copy of the hot ones padded to its slots (zeros, masked) -> ``(B, H, cold_slots + copies *
+        slots, D)`` (``summary_copies``)."""
         copies, slots, _ = self.summary_copies(L)
         if copies == 1:
             return x
-        x = torch.nn.functional.pad(x, (0, 0, 0, slots - x.shape[-2]))
-        return x.unsqueeze(-3).expand(*x.shape[:-2], copies, slots, x.shape[-1]).flatten(-3, -2)
+        pad = torch.nn.functional.pad
+        hot = pad(x[..., self.copy_from :, :], (0, 0, 0, slots - (x.shape[-2] - self.copy_from)))
+        hot = hot.unsqueeze(-3).expand(*x.shape[:-2], copies, slots, x.shape[-1]).flatten(-3, -2)
+        if not self.copy_from:
+            return hot
+        return torch.cat([pad(x[..., : self.copy_from, :], (0, 0, 0, self.cold_slots(L) - self.copy_from)), hot], -2)
 
     def summary_columns(self, mask: torch.Tensor, L: int) -> torch.Tensor:
-        """A mask's summary columns ``(..., copies * slots)`` -> ``(..., R)``: whether the query may use each summary
-        in any copy (each query sees one copy; inspection and tests)."""
+        """A mask's summary columns ``(..., cold_slots + copies * slots)`` -> ``(..., R)``: whether the query may use
+        each summary, in any copy for the hot ones (each query sees one copy; inspection and tests)."""
         copies, slots, _ = self.summary_copies(L)
-        return mask.unflatten(-1, (copies, slots)).any(-2)[..., : self.n_regions]
+        if copies == 1:
+            return mask[..., : self.n_regions]
+        hot = mask[..., self.cold_slots(L) :].unflatten(-1, (copies, slots)).any(-2)
+        return torch.cat([mask[..., : self.copy_from], hot[..., : self.n_regions - self.copy_from]], -1)
 
     def mask_mod(self, L: int, real: torch.Tensor | None = None, occupied: torch.Tensor | None = None,
                  direct_only: bool = False, also: Callable | None = None) -> Callable:
@@ -124,19 +145,23 @@ class FlexCall:
         padding masks; ``direct_only`` keeps the fallback keys alone (``fallback``, else ``direct``); ``also`` a
         per-batch condition of the variant (``Attention.flex_call_mask``) that every allowed slot must meet too. KV
         slots past ``kv_len`` (the padding that makes KV a whole number of tiles) are never attended. Copies of the
-        summaries (``summary_copies``) are a re-indexing: a slot of the query's own copy reads as the summary's slot
-        in one copy, ``L + r`` (``also`` sees that index too), any other copy's slot as nothing."""
+        summaries (``summary_copies``) are a re-indexing: a cold slot, or a hot one of the query's own copy, reads as
+        the summary's slot in one copy, ``L + r`` (``also`` sees that index too); any other copy's slot, and the
+        padding after the cold ones, as nothing."""
         R = 0 if direct_only else self.n_regions
         direct, usable = (self.fallback or self.direct) if direct_only else self.direct, self.usable
         keys = L if direct is not None else 0
         copies, slots, rows = self.summary_copies(L)
+        cold, first_hot = self.cold_slots(L), self.copy_from
 
         def mask_mod(b, h, q, kv):
             own_copy = None
             if R and copies > 1:
                 slot = kv - keys
-                own_copy = (slot < 0) | (slot // slots == q // rows)
-                kv = torch.where(slot >= 0, keys + slot % slots, kv)
+                in_copy = slot - cold  # >= 0: a hot slot, copy in_copy // slots
+                own_copy = (in_copy < 0) | (in_copy // slots == q // rows)
+                summary = torch.where(in_copy >= 0, first_hot + in_copy % slots, torch.where(slot < first_hot, slot, R))
+                kv = torch.where(slot >= 0, keys + summary, kv)
             ok = None
             if keys:
                 key = kv.clamp(max=L - 1)
