@@ -494,6 +494,19 @@ def test_the_check_catches_host_reads():
             read()
 
 
+def test_modules_that_differ_inside_a_wrapped_attention_get_their_own_layout(monkeypatch):
+    """``combiner_select`` keeps its block size in its inner Combiner: two of them with other block sizes at one length
+    used to share the first one's static layout (its masks), and the second one's forward was wrong."""
+    monkeypatch.setattr(block_masks, "_REGISTRY", {})
+    q, k, v = random_qkv(L=L, dtype=torch.float32, seed=18)
+    with torch.no_grad():
+        for block in (BLOCK, 2 * BLOCK):
+            attn = build("combiner_select", True, seq_len=L, block_size=block).eval()
+            torch.testing.assert_close(flex_forward(attn, q, k, v), attn.attention_matrix(q, k, v) @ v, atol=1e-5,
+                                       rtol=0)
+    assert len(block_masks._REGISTRY) == 2
+
+
 def test_block_masks_are_built_once_per_geometry_for_every_layer_model_and_step():
     """Layers share one static layout per geometry, and so does a second model with another layer count; steps
     and padded batches rebuild nothing (a padded batch reuses the tiles with its own mask_mod)."""
@@ -704,6 +717,34 @@ def test_the_query_buffer_is_sized_by_the_pairs_the_rule_can_make(name, causal, 
     assert (unpadded == most).all() and most <= every
     assert most < every or (name != "nsa" and not causal)  # bidirectional k of the other blocks: L x k
     assert (padded <= most_padded).all() and most_padded <= every
+
+
+@pytest.mark.parametrize("length,block", [(512, 32), (512, 128)])
+@pytest.mark.parametrize("name", SELECTING)
+def test_the_buffer_packs_blocks_under_a_tile_and_gives_bigger_ones_whole_tiles(name, length, block, monkeypatch):
+    """Blocks under a tile: the pairs back to back (``most_pairs`` rounded up to a tile); a tile or more: each
+    block's pairs from a tile's first row (a tile's padding per block, ``buffer_rows``). Either way the forward is
+    the dense reference's, whose CPU flex reads the tables as the GPU does."""
+    attn = build(name, True, seq_len=length, block_size=block, head_dim=16).eval()
+    module = sys.modules[type(attn).__module__]
+    rows = []
+
+    def spy(qs, k, v, chosen, ok, *args, most_pairs=None, **kwargs):
+        out = selection.selected_blocks(qs, k, v, chosen, ok, *args, most_pairs=most_pairs, **kwargs)
+        rows.append(most_pairs)
+        return out
+
+    calls_seen = []
+    flex_call = engine.flex_call
+    monkeypatch.setattr(engine, "flex_call", lambda q, k, v, mask: calls_seen.append(q.shape[-2]) or flex_call(q, k, v,
+                                                                                                           mask))
+    monkeypatch.setattr(module, "selected_blocks", spy)
+    q, k, v = random_qkv(L=length, D=16, dtype=torch.float32, seed=17)
+    with torch.no_grad():
+        torch.testing.assert_close(flex_forward(attn, q, k, v), attn.attention_matrix(q, k, v) @ v, atol=1e-5, rtol=0)
+    (most,) = rows
+    expected = whole_tiles(most, TILE) if block < TILE else selection.buffer_rows(most, length // block, TILE)
+    assert calls_seen[-1] == expected  # the gathered call runs last
 
 
 @pytest.mark.parametrize("name", SELECTING)

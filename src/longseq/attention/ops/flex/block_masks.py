@@ -54,7 +54,7 @@ def tile_classes(mask_mod: Callable, B: int, H: int, Q_LEN: int, KV_LEN: int, de
     return torch.cat(partial, 2), torch.cat(full, 2)
 
 
-def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def tile_tables(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Tile table ``(..., q tiles, kv tiles)`` bool -> ``(num, indices)`` as ``BlockMask.from_kv_blocks`` takes them."""
     num = dense.sum(-1, dtype=torch.int32)
     indices = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
@@ -65,8 +65,8 @@ def block_mask_from_tiles(partial: torch.Tensor, full: torch.Tensor | None, mask
                           KV_LEN: int, tile: int) -> BlockMask:
     """A ``BlockMask`` from tile tables ``(B, H, q tiles, kv tiles)`` bool (``full=None``: every visited tile runs
     the mask_mod)."""
-    full_blocks = (None, None) if full is None else _ordered(full)
-    return BlockMask.from_kv_blocks(*_ordered(partial), *full_blocks, BLOCK_SIZE=(tile, tile), mask_mod=mask_mod,
+    full_blocks = (None, None) if full is None else tile_tables(full)
+    return BlockMask.from_kv_blocks(*tile_tables(partial), *full_blocks, BLOCK_SIZE=(tile, tile), mask_mod=mask_mod,
                                     seq_lengths=(Q_LEN, KV_LEN))
 
 
