@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from longseq.attention.base import AttentionConfigError, check_int_knob
-from longseq.attention.ops.flex.calls import FlexCall, column_order, same_block
+from longseq.attention.ops.flex.calls import FlexCall, same_block
 from longseq.attention.ops.geometry import BlockGrid, Grid
 from longseq.attention.ops.masks import causal_mask, full_mask, other_blocks_mask
 from longseq.attention.registry import register_attention
@@ -32,16 +32,26 @@ class FixedAttention(BlockGrid, SparseAttention):
             )
 
     def flex_calls(self, length: int, device: torch.device) -> list[FlexCall]:
-        """Own block in sequence order + the other blocks' summary cells in column order (the cells of the last c
-        columns are then contiguous keys, not one in every tile), merged by log-sum-exp."""
+        """Own block, and the other blocks' summary cells as regions of one key each (``FlexCall.key_regions``), both
+        in sequence order, merged by log-sum-exp. Every later query attends those n c cells, so as direct keys their
+        one or two key tiles were one serial loop over every query tile in FlexAttention's backward; as regions they
+        are laid out once per ``COPY_ROWS`` queries (``FlexCall.summary_copies``)."""
         grid = self.grid(length)
         n, m, c, causal = grid.n_rows, grid.n_cols, self.summary_cells, self.causal
+        cells = (torch.arange(n, device=device).view(n, 1) * m + m - c + torch.arange(c, device=device)).flatten()
 
-        def summary_cells(b, h, q, kv):  # column order: column = index // n, row = index % n
-            other = (kv % n) < (q % n) if causal else (kv % n) != (q % n)
-            return (kv // n >= m - c) & other
+        def usable(b, h, q, r):  # cell r lies in row r // c
+            return (r // c < q // m) if causal else (r // c != q // m)
 
-        return [FlexCall(same_block(m, causal)), FlexCall(summary_cells, column_order(grid, device))]
+        def members():
+            return torch.nn.functional.one_hot(cells, length).bool()
+
+        def summary_cells(qs, k, v, real):
+            return k[..., cells, :], v[..., cells, :], None if real is None else real[:, cells]
+
+        return [FlexCall(same_block(m, causal)),
+                FlexCall(None, n_regions=n * c, usable=usable, members=members, summaries=summary_cells,
+                         key_regions=True)]
 
     def pattern(self, length: int) -> torch.Tensor:
         grid = self.grid(length)

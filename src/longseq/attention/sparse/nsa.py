@@ -502,7 +502,7 @@ class NativeSparseAttention(BlockGrid, Attention):
 
         return [FlexCall(None, None, C, complete, compressed_members, group=0),
                 FlexCall(forced, n_regions=m, usable=first_block_usable, members=first_block_members,
-                         summaries=first_block, group=1, fallback=same_block(m, causal)),
+                         summaries=first_block, group=1, fallback=same_block(m, causal), key_regions=True),
                 FlexCall(window, group=2)]
 
     def flex_batch_state(self, qs, k, v, real, tile):

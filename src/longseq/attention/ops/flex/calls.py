@@ -71,6 +71,9 @@ class FlexCall:
             None: ``direct`` itself.
         copy_from: the summaries (in KV order) from this one on are the hot ones, laid out in copies
             (``summary_copies``); the ones before it sit once, before the copies (0: every summary is copied).
+        key_regions: the regions are single keys (``summaries`` returns the keys themselves): direct keys that every
+            query may use, laid out as regions so that their tiles are copied (``nsa``'s block 0, the sparse
+            ``fixed`` pattern's summary cells); inspection counts them as direct keys.
     """
 
     direct: Callable | None
@@ -86,6 +89,7 @@ class FlexCall:
     summaries: Callable | None = None
     fallback: Callable | None = None
     copy_from: int = 0
+    key_regions: bool = False
 
     def summary_copies(self, L: int) -> tuple[int, int, int]:
         """How the call's hot summaries (``copy_from`` on) sit in its KV at length L: ``(copies, slots, rows)``,

@@ -144,20 +144,26 @@ def run_layer(attn, layout: StaticLayout | None, q: torch.Tensor, k: torch.Tenso
 
 def _direct_fallback(layout: StaticLayout | None, calls, group: int, qs, k, v, tile: int) -> torch.Tensor | None:
     """The group's output over its unpadded fallback keys alone (``ops.padding``'s rule for empty queries; None: the
-    group has no direct keys)."""
+    group has no direct keys). A call of single keys laid out as regions (``FlexCall.key_regions``) without direct
+    keys of its own contributes those keys, unpadded (its static mask)."""
     L = qs.shape[-2]
     parts = []
     for index, call in enumerate(calls):
-        if call.group != group or call.direct is None:
+        if call.group != group or (call.direct is None and not call.key_regions):
             continue
-        kv_len = whole_tiles(L, tile)
-        if layout is not None:
-            mask = layout.direct_masks[index]
+        if call.direct is None:
+            k_bar, v_bar, _ = call.summaries(qs, k, v, None)
+            kv_len, mask = layout.kv_lens[index], layout.masks[index]
+            keys, values = [call.summary_kv(k_bar, L)], [call.summary_kv(v_bar, L)]
         else:
-            mask = build_block_mask(call.mask_mod(L, direct_only=True), qs.shape[0], call.heads, L, kv_len, qs.device,
-                                    tile)
-        out, lse = flex_call(in_order(qs, call), _tile_padded([in_order(k, call)], kv_len),
-                         _tile_padded([in_order(v, call)], kv_len), mask)
+            kv_len = whole_tiles(L, tile)
+            if layout is not None:
+                mask = layout.direct_masks[index]
+            else:
+                mask = build_block_mask(call.mask_mod(L, direct_only=True), qs.shape[0], call.heads, L, kv_len,
+                                        qs.device, tile)
+            keys, values = [in_order(k, call)], [in_order(v, call)]
+        out, lse = flex_call(in_order(qs, call), _tile_padded(keys, kv_len), _tile_padded(values, kv_len), mask)
         parts.append((to_sequence(out, call), to_sequence(lse.unsqueeze(-1), call).squeeze(-1)))
     return merge_by_lse(*zip(*parts))[0] if parts else None
 

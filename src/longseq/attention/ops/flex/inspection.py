@@ -58,6 +58,9 @@ def flex_partition(attn, L: int, head: int = 0) -> Partition:
         if call.n_regions:
             use = torch.zeros(L, call.n_regions, dtype=torch.bool)
             use[order] = call.summary_columns(mask[:, keys:], L)
+            if call.key_regions:  # single keys laid out as regions: direct keys
+                direct |= (use.double() @ call.members().cpu().double()) > 0
+                continue
             usable.append(use)
             members.append(call.members().cpu())
             anchors.append(torch.full((call.n_regions,), -1, dtype=torch.long) if call.anchors is None
