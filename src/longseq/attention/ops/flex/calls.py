@@ -106,8 +106,9 @@ class FlexCall:
         return copies, slots, COPY_ROWS
 
     def cold_slots(self, L: int) -> int:
-        """KV slots of the summaries laid out once before the copies: ``copy_from`` padded to whole tiles, so no
-        tile holds both; 0 without copies (every summary in one block of R slots, ``summary_copies``)."""
+        """KV slots of the summaries laid out once before the copies: ``copy_from`` padded to whole tiles (so no tile
+        holds both where L, the keys before them, is whole tiles); 0 without copies (every summary in one block of R
+        slots, ``summary_copies``)."""
         return whole_tiles(self.copy_from, tile_size(L)) if self.summary_copies(L)[0] > 1 else 0
 
     def kv_len(self, L: int, direct_only: bool = False) -> int:

@@ -152,6 +152,7 @@ def _direct_fallback(layout: StaticLayout | None, calls, group: int, qs, k, v, t
         if call.group != group or (call.direct is None and not call.key_regions):
             continue
         if call.direct is None:
+            assert layout is not None, "key regions are written for static layouts (their unpadded mask)"
             k_bar, v_bar, _ = call.summaries(qs, k, v, None)
             kv_len, mask = layout.kv_lens[index], layout.masks[index]
             keys, values = [call.summary_kv(k_bar, L)], [call.summary_kv(v_bar, L)]

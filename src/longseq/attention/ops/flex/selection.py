@@ -61,13 +61,16 @@ def selected_blocks(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chosen: 
     ``(B, H, L, .)``, ``chosen`` / ``ok`` ``(B, H, L, K)`` (block ``c`` = keys ``[c m, (c + 1) m)``; ``ok`` False: no
     block) -> output ``(B, H, L, Dv)`` and lse ``(B, H, L)`` (-inf where no key is left). ``real`` ``(B, L)``: the
     real keys; ``causal``: keys after the query are left out; ``most_pairs``: how many ``ok`` pairs the variant's
-    rule can make at most (``pair_bound``; None: ``L K``), which sizes the query buffer (a pair past it is lost, so
-    the bound must hold for every batch)."""
+    rule can make at most (``pair_bound``; None: ``L K``), which sizes the query buffer. It must hold for every
+    batch: a pair past it would read another pair's row (tested per variant, knobs included)."""
     B, H, L, K = chosen.shape
     m = block_size
     n = -(-L // m)  # blocks (the last may be short)
     P = L * K
     pairs = P if most_pairs is None else min(most_pairs, P)
+    if not pairs:  # the rule leaves no free pick at this length (nsa with every pick forced; moba with one block)
+        no_key = qs.new_full(qs.shape[:-1], float("-inf"), dtype=torch.float32)
+        return qs.new_zeros(*qs.shape[:-1], v.shape[-1]), no_key
     packed = m < tile  # blocks under a tile share key tiles anyway: pairs back to back, a tile may span blocks
     R = whole_tiles(pairs, tile) if packed else buffer_rows(pairs, n, tile)
     device = chosen.device
