@@ -103,7 +103,7 @@ def selected_blocks(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chosen: 
         return ok_
 
     kv_len = whole_tiles(L, tile)
-    tiles = _blocks_tiles if packed else _block_tiles
+    tiles = _packed_tiles if packed else _one_block_per_tile
     mask = BlockMask.from_kv_blocks(*tiles(row_block, m, L, tile, kv_len // tile), BLOCK_SIZE=(tile, tile),
                                     mask_mod=mask_mod, seq_lengths=(R, kv_len))
     queries = qs.gather(2, row_query.unsqueeze(-1).expand(B, H, R, qs.shape[-1]))
@@ -118,7 +118,8 @@ def selected_blocks(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chosen: 
     return (weights.unsqueeze(-1).to(out.dtype) * out).sum(-2), total
 
 
-def _block_tiles(row_block: torch.Tensor, m: int, L: int, tile: int, n_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _one_block_per_tile(row_block: torch.Tensor, m: int, L: int, tile: int,
+                        n_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(kv_num, kv_indices)`` of a buffer whose every tile holds one block's pairs (its first row is always a
     pair; ``row_block`` ``(B, H, R)``, -1 past the pairs): the key tiles of that block."""
     tile_block = row_block[..., ::tile]  # (B, H, R / tile); -1: an unused tile
@@ -131,7 +132,8 @@ def _block_tiles(row_block: torch.Tensor, m: int, L: int, tile: int, n_kv: int) 
     return kv_num, kv_indices.to(torch.int32)
 
 
-def _blocks_tiles(row_block: torch.Tensor, m: int, L: int, tile: int, n_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _packed_tiles(row_block: torch.Tensor, m: int, L: int, tile: int,
+                  n_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(kv_num, kv_indices)`` of a buffer of pairs back to back (blocks of ``m`` < ``tile`` keys, each within two
     key tiles): every key tile of every block with a pair in the query tile."""
     B, H, R = row_block.shape
