@@ -89,6 +89,9 @@ def test_cli_quick_preset_covers_every_registered_attention(tmp_path: Path) -> N
     # the backward's longest loop ÷ causal full's: a fraction where the layout keeps query tiles apart
     loops = {r["attention"]: r["flex_longest_loop"] for r in tile_rows}
     assert loops["full"] == "" and 0 < float(loops["combiner_fixed"]) <= 1
+    # what one training layer keeps for its backward ÷ its output's: the flex calls' share and the rest
+    kept = {r["attention"]: (r["flex_kept"], r["flex_kept_by_calls"]) for r in tile_rows}
+    assert kept["full"] == ("", "") and 2 < float(kept["combiner_fixed"][1]) <= float(kept["combiner_fixed"][0])
     assert "flex tiles visited" in done.stdout
 
 

@@ -203,10 +203,11 @@ class Attention(nn.Module):
         whose region came back at full resolution is not used twice); None: the call's static mask alone."""
         return None
 
-    def flex_extra_parts(self, state, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None,
+    def flex_extra_parts(self, state, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None,
                          tile: int) -> list:
-        """Parts of a group's softmax computed outside the static calls, as ``(group, out (B, H, L, Dv), lse
-        (B, H, L))`` (chosen blocks at full resolution, ``ops.flex.selection``); none by default."""
+        """Parts of a group's softmax computed outside the static calls from unscaled q, k, v ``(B, H, L, .)``, as
+        ``(group, out (B, H, L, Dv), lse (B, H, L))`` (chosen blocks at full resolution, ``ops.flex.selection``);
+        none by default."""
         return []
 
     def flex_group_weights(self, state, q: torch.Tensor) -> torch.Tensor | None:

@@ -366,21 +366,37 @@ def call_isolated(fn: Callable[..., Any], *args: Any, timeout_s: float | None = 
     return value
 
 
-# -- the hardware-independent columns: what the flex backend's block masks visit -----------------------------
-def flex_tiles(registry_name: str, length: int, kwargs: dict[str, Any], tile: int) -> tuple[float, float, str]:
-    """For one attention at ``length``, from the flex backend's block masks (nothing runs): the tiles (``tile`` x
-    ``tile``) they visit and their backward's longest loop, each divided by causal full attention's
-    (``ops.flex.flex_tiles_visited``, ``ops.flex.flex_longest_loop``), and a note: NaN with the reason where the
-    variant has no flex layout or cannot be built."""
-    from longseq.attention import ATTENTION_REGISTRY, build_attention
-    from longseq.attention.ops.flex import flex_longest_loop, flex_tiles_visited
+# -- the hardware-independent columns: what the flex backend visits and keeps --------------------------------
+FLEX_FIGURES = ("flex_tiles", "flex_longest_loop", "flex_kept", "flex_kept_by_calls")  # flex_figures' columns
 
+
+def no_flex_figures(note: str) -> dict[str, Any]:
+    """``flex_figures``' row where it does not apply: every figure NaN, ``note`` saying why."""
+    return {**dict.fromkeys(FLEX_FIGURES, math.nan), "note": note}
+
+
+def flex_figures(registry_name: str, length: int, kwargs: dict[str, Any], tile: int) -> dict[str, Any]:
+    """For one attention at ``length``, from the flex backend without a GPU: the tiles (``tile`` x ``tile``) its
+    block masks visit and their backward's longest loop, each divided by causal full attention's
+    (``ops.flex.flex_tiles_visited``, ``ops.flex.flex_longest_loop``), what one training layer keeps for its
+    backward in units of its output (``ops.flex.flex_kept_for_backward``: the whole layer and its flex calls' share),
+    and a note: NaN with the reason where the variant has no flex layout, its tiles depend on the batch, or it cannot
+    be built."""
+    from longseq.attention import ATTENTION_REGISTRY, build_attention
+    from longseq.attention.ops.flex import flex_kept_for_backward, flex_longest_loop, flex_tiles_visited
+
+    row = no_flex_figures("")
     try:
         reason = ATTENTION_REGISTRY[registry_name].cls.flex_reason()
         if reason is not None:  # no module built: some hold (L, L) parameters (synthesizer)
-            return math.nan, math.nan, reason
+            return {**row, "note": reason}
         attention = build_attention(registry_name, **kwargs)
-        value, loop = flex_tiles_visited(attention, length, tile=tile), flex_longest_loop(attention, length, tile=tile)
-        return value, loop, "" if not math.isnan(value) else "its block masks depend on the batch (clusters, chosen blocks)"
+        row["flex_tiles"] = flex_tiles_visited(attention, length, tile=tile)
+        row["flex_longest_loop"] = flex_longest_loop(attention, length, tile=tile)
+        if math.isnan(row["flex_tiles"]):
+            row["note"] = "its block masks depend on the batch (clusters, chosen blocks)"
+        kept = flex_kept_for_backward(attention, length, int(kwargs["n_heads"]), int(kwargs["head_dim"]))
+        row["flex_kept"], row["flex_kept_by_calls"] = kept.whole, kept.calls
     except Exception as error:  # one variant's failure is a note, not a stopped sweep
-        return math.nan, math.nan, f"{type(error).__name__}: {error}".splitlines()[0]
+        row["note"] = f"{type(error).__name__}: {error}".splitlines()[0]
+    return row

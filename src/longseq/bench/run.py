@@ -168,8 +168,9 @@ def run_benchmark(cfg: DictConfig, console: Console | None = None) -> Path:
     if tile_rows:
         _write_rows(tile_rows, TILE_COLUMNS, out / "tiles.csv")
         markdown.append(f"### flex tiles visited / the backward's longest loop (query tiles over one key tile), each ÷ "
-                        f"causal full attention's ({tiles.tile} x {tiles.tile} tiles, from the BlockMasks; hardware "
-                        "independent)\n")
+                        f"causal full attention's ({tiles.tile} x {tiles.tile} tiles, from the BlockMasks) / bytes one "
+                        "training layer keeps for its backward ÷ its output's (bf16; full's SDPA: about 1); hardware "
+                        "independent\n")
         markdown.append(tiles_table(tile_rows) + "\n")
     if cfg.throughput:
         from longseq.bench.throughput import THROUGHPUT_COLUMNS, measure_throughput
@@ -194,37 +195,38 @@ def run_benchmark(cfg: DictConfig, console: Console | None = None) -> Path:
     return out
 
 
-TILE_COLUMNS = ["attention", "length", "causal", "block_size", "tile", "flex_tiles", "flex_longest_loop", "note"]
+TILE_COLUMNS = ["attention", "length", "causal", "block_size", "tile", *cells.FLEX_FIGURES, "note"]
+TABLE_FIGURES = {"flex_tiles": ".3f", "flex_longest_loop": ".3f", "flex_kept": ".1f"}  # per cell, in this order
 
 
 def flex_tile_rows(names: list[str], cfg: DictConfig, console: Console) -> list[dict[str, Any]]:
     """The hardware-independent columns (``tiles``: lengths, tile): per attention and length, the tiles the flex
-    backend's block masks visit and their backward's longest loop, each divided by causal full attention's (NaN with
-    the reason where a variant has no flex layout). Geometry as in the sweep (``build_spec``)."""
+    backend's block masks visit and their backward's longest loop, each divided by causal full attention's, and what
+    one training layer keeps for its backward in units of its output (``cells.flex_figures``; NaN with the reason
+    where a variant has no flex layout). Geometry as in the sweep (``build_spec``)."""
     tiles = cfg.tiles
-    console.print(f"flex tiles visited (L={list(tiles.lengths)}, tile {tiles.tile}) ...")
+    console.print(f"flex tiles visited and bytes kept for backward (L={list(tiles.lengths)}, tile {tiles.tile}) ...")
     rows = []
     for name in names:
         for length in sorted(int(n) for n in tiles.lengths):
             spec = build_spec(name, length, causal=bool(cfg.causal), n_heads=cfg.heads, head_dim=cfg.head_dim,
                               block_size=cfg.block_size, unsupported_causal=cfg.unsupported_causal)
-            value, loop, note = (math.nan, math.nan, spec.skip_reason) if spec.skip_reason else cells.flex_tiles(
-                spec.registry_name, length, spec.kwargs, int(tiles.tile))
+            figures = (cells.no_flex_figures(spec.skip_reason) if spec.skip_reason
+                       else cells.flex_figures(spec.registry_name, length, spec.kwargs, int(tiles.tile)))
             rows.append({"attention": name, "length": length, "causal": spec.causal, "block_size": spec.block_size,
-                         "tile": int(tiles.tile), "flex_tiles": value, "flex_longest_loop": loop,
-                         "note": note or spec.note})
+                         "tile": int(tiles.tile), **figures, "note": figures["note"] or spec.note})
     return rows
 
 
 def tiles_table(rows: list[dict[str, Any]]) -> str:
     """One row per attention, one column per length: tiles visited ÷ causal full's / the backward's longest loop ÷
-    causal full's, or ``-`` (no flex layout)."""
+    causal full's / bytes kept for the backward ÷ the output's, each ``-`` where it does not apply."""
     lengths = sorted({r["length"] for r in rows})
     by_key = {(r["attention"], r["length"]): r for r in rows}
     lines = ["| attention | causal | " + " | ".join(f"L={n}" for n in lengths) + " |", "|" + "---|" * (len(lengths) + 2)]
     for name in dict.fromkeys(r["attention"] for r in rows):
         cells_ = [by_key[(name, n)] for n in lengths]
-        values = [" / ".join("-" if math.isnan(r[key]) else f"{r[key]:.3f}" for key in ("flex_tiles", "flex_longest_loop"))
+        values = [" / ".join("-" if math.isnan(r[key]) else format(r[key], spec) for key, spec in TABLE_FIGURES.items())
                   for r in cells_]
         lines.append(f"| {name} | {str(cells_[0]['causal']).lower()} | " + " | ".join(values) + " |")
     return "\n".join(lines)

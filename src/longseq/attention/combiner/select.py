@@ -251,13 +251,13 @@ class CombinerSelectAttention(PartitionDecoder, Attention):
 
         return not_chosen
 
-    def flex_extra_parts(self, state, qs, k, v, real, tile):
+    def flex_extra_parts(self, state, q, k, v, real, tile):
         chosen, ok = state[3:]
         if chosen is None:
             return []
-        L, m = qs.shape[-2], self.inner.block_size
+        L, m = q.shape[-2], self.inner.block_size
         most = other_block_pairs(L, m, self.top_k, self.causal)
-        return [(0, *selected_blocks(qs, k, v, chosen, ok, m, tile, real, most_pairs=most))]
+        return [(0, *selected_blocks(q, k, v, chosen, ok, m, tile, real, most_pairs=most))]
 
     # -- the contract ---------------------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -61,18 +61,23 @@ class RegionSummary(nn.Module):
         """Per-position key features before pooling (DeepSets map, or ``k`` itself). ``(..., D)``."""
         return self._features(k, self.phi_key)
 
-    def masked_reduce(self, features: torch.Tensor, member: torch.Tensor | None) -> torch.Tensor:
+    def masked_reduce(self, features: torch.Tensor, member: torch.Tensor | None, by_value: bool = False) -> torch.Tensor:
         """Pool featurized vectors ``(..., s, D)`` over their real members ``member`` ``(..., s)`` bool -> ``(..., D)``;
         ``member=None``: every position is real (decided by the caller from its configuration, never by reading the
-        mask: that would be a device-to-host sync per call on a GPU).
+        mask: that would be a device-to-host sync per call on a GPU). ``by_value``: a max pool's backward keeps its
+        input and result (``amax``) instead of ``max``'s int64 argmax indices (8 bytes per pooled element): fewer
+        bytes where regions hold a few members each and the input is kept anyway.
 
         Key padding: padded positions stay out of the pool; a region without a real member pools to 0
         (its summary is masked by the caller).
         """
-        if member is None:  # no masked copy (max, not amax: amax's backward took 2x the time here)
-            return features.max(-2).values if self.reduce == "max" else features.mean(-2)
+        def pool_max(x: torch.Tensor) -> torch.Tensor:
+            return x.amax(-2) if by_value else x.max(-2).values
+
+        if member is None:  # no masked copy (max, not amax, by default: amax's backward took 2x the time on CPU)
+            return pool_max(features) if self.reduce == "max" else features.mean(-2)
         if self.reduce == "max":
-            pooled = features.masked_fill(~member.unsqueeze(-1), NEG_INF).max(-2).values
+            pooled = pool_max(features.masked_fill(~member.unsqueeze(-1), NEG_INF))
             return pooled.masked_fill(~member.any(-1, keepdim=True), 0.0)
         weights = member.unsqueeze(-1).to(features.dtype)
         return (features * weights).sum(-2) / weights.sum(-2).clamp(min=1.0)
@@ -118,14 +123,15 @@ class RegionSummary(nn.Module):
         return part.effective_matrix(qs, k, self.pool_region_queries(qs, part.members),
                                      self.pool_region_keys(k, part.members))
 
-    def region_summaries(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         member: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def region_summaries(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, member: torch.Tensor | None,
+                         by_value: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Summary keys and values ``(B, H, n, D)`` of n regions (incremental decoding: once, when a region
         completes; the flex layouts: every region at once) from their members' scaled queries, keys and values
         ``(B, H, n, s, D)``; ``member`` (broadcastable to ``(B, H, n, s)``) bool marks real members, None: all are:
-        ``k_bar`` the pooled keys, ``v_bar = softmax(q_bar . k) v``."""
-        q_bar = self.masked_reduce(self.query_features(q), member)
-        k_bar = self.masked_reduce(self.key_features(k), member)
+        ``k_bar`` the pooled keys, ``v_bar = softmax(q_bar . k) v``. ``by_value``: max pools keep their values
+        for the backward (``masked_reduce``), for callers with many small regions."""
+        q_bar = self.masked_reduce(self.query_features(q), member, by_value)
+        k_bar = self.masked_reduce(self.key_features(k), member, by_value)
         logits = (k @ q_bar.unsqueeze(-1)).squeeze(-1)
         if member is not None:  # an empty region keeps a finite row (callers mask its summary): a row of -inf would
             # make NaN weights, and NaN reaches v's gradient through the masked summary (0 * NaN)

@@ -150,13 +150,13 @@ class MobaAttention(BlockGrid, Attention):
         choosable = other_blocks_mask(n, self.causal, qs.device)[pos // self.block_size].view(1, 1, L, n)
         return self.choose(qs, k_bar, choosable if occupied is None else choosable & occupied)
 
-    def flex_extra_parts(self, state, qs, k, v, real, tile):
+    def flex_extra_parts(self, state, q, k, v, real, tile):
         if self.top_k == 0:
             return []
         chosen, ok = state
-        L, m = qs.shape[-2], self.block_size
+        L, m = q.shape[-2], self.block_size
         most = other_block_pairs(L, m, self.top_k, self.causal)
-        return [(0, *selected_blocks(qs, k, v, chosen, ok, m, tile, real, most_pairs=most))]
+        return [(0, *selected_blocks(q, k, v, chosen, ok, m, tile, real, most_pairs=most))]
 
     def attention_matrix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -520,10 +520,10 @@ class NativeSparseAttention(BlockGrid, Attention):
     def flex_summaries(self, index, qs, k, v, real, state=None):
         return state[:3]
 
-    def flex_extra_parts(self, state, qs, k, v, real, tile):
+    def flex_extra_parts(self, state, q, k, v, real, tile):
         chosen, free = state[4:]
-        most = self.free_pairs(qs.shape[-2], padded=real is not None)
-        return [(1, *selected_blocks(qs, k, v, chosen, free, self.block_size, tile, real, causal=self.causal,
+        most = self.free_pairs(q.shape[-2], padded=real is not None)
+        return [(1, *selected_blocks(q, k, v, chosen, free, self.block_size, tile, real, causal=self.causal,
                                      most_pairs=most))]
 
     def free_pairs(self, length: int, padded: bool) -> int:

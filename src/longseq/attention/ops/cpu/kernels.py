@@ -7,7 +7,7 @@ because they return (and take back) the per-query log-sum-exp, which merging sev
 softmax needs. Inputs ``(B, H, L, D)`` with a unit last stride; ``attn_mask`` is additive float. Private API: a
 torch upgrade that renames or changes them is fixed here (and checked by the CPU engine's tests).
 
-``flex_reference(q, k, v, block_mask) -> (out, logsumexp)``: FlexAttention's unfused CPU reference (forward only),
+``flex_reference(q, k, v, block_mask, scale) -> (out, logsumexp)``: FlexAttention's unfused CPU reference (forward only),
 called through torch's private module switch (the flex backend on CPU, ``ops.flex``), made to read the block mask's
 tile tables as the GPU kernels do.
 """
@@ -25,9 +25,9 @@ flash_attention = getattr(torch.ops.aten, FLASH_OP)
 flash_attention_backward = getattr(torch.ops.aten, FLASH_BACKWARD_OP)
 
 
-def flex_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   block_mask: BlockMask) -> tuple[torch.Tensor, torch.Tensor]:
-    """FlexAttention on CPU tensors, scaled q (``scale=1``): output ``(B, H, L, Dv)`` and lse ``(B, H, L)``.
+def flex_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlexAttention on CPU tensors (logits ``scale * q . k``): output ``(B, H, L, Dv)`` and lse ``(B, H, L)``.
 
     Uncompiled, ``flex_attention`` still traces its higher-order op with dynamo's eager backend, once per new
     ``mask_mod`` closure (about 0.5 s each: every padded batch and every module makes one), to run the same math the
@@ -37,7 +37,7 @@ def flex_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     previous = flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
     flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
     try:
-        out, aux = flex_attention(q, k, v, block_mask=as_the_kernels_read_it(block_mask), scale=1.0,
+        out, aux = flex_attention(q, k, v, block_mask=as_the_kernels_read_it(block_mask), scale=scale,
                                   return_aux=AuxRequest(lse=True))
     finally:
         flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = previous

@@ -19,7 +19,7 @@ autograd sums the copies' gradients. A call with many summaries, few of them hot
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -90,6 +90,16 @@ class FlexCall:
     fallback: Callable | None = None
     copy_from: int = 0
     key_regions: bool = False
+    sequence_order: torch.Tensor | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        """``sequence_order`` ``(L,)`` long: the call-order index of each position, ``order``'s inverse (None with
+        it), made once with the call: results come back to sequence order by ``index_select``, whose backward keeps
+        only this index."""
+        if self.order is not None:
+            inverse = torch.empty_like(self.order).scatter_(0, self.order, torch.arange(len(self.order),
+                                                                                        device=self.order.device))
+            object.__setattr__(self, "sequence_order", inverse)
 
     def summary_copies(self, L: int) -> tuple[int, int, int]:
         """How the call's hot summaries (``copy_from`` on) sit in its KV at length L: ``(copies, slots, rows)``,

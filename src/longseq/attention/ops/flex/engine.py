@@ -21,6 +21,7 @@ on the device per call (``block_masks.build_block_mask``), without a sync.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable
 
 import torch
@@ -94,7 +95,7 @@ def run_layer(attn, layout: StaticLayout | None, q: torch.Tensor, k: torch.Tenso
     real = None if key_padding_mask is None else ~key_padding_mask.to(device=q.device, dtype=torch.bool)
     state = attn.flex_batch_state(qs, k, v, real, tile)
     calls = layout.calls if layout is not None else attn.flex_data_calls(q, k, v, real)
-    parts = []  # (group, output, lse) in sequence order
+    parts = []  # (group, output, lse, call) in the call's order (call None: sequence order)
     for index, call in enumerate(calls):
         occupied = None
         keys, values = [], []
@@ -124,15 +125,16 @@ def run_layer(attn, layout: StaticLayout | None, q: torch.Tensor, k: torch.Tenso
             mask = layout.masks[index]
         else:  # the same tiles under a mask_mod that reads this batch
             mask = with_mask_mod(layout.partial_masks[index], call.mask_mod(L, real_c, occupied, also=also))
-        out, lse = flex_call(in_order(qs, call), _tile_padded(keys, kv_len), _tile_padded(values, kv_len), mask)
-        parts.append((call.group, to_sequence(out, call), to_sequence(lse.unsqueeze(-1), call).squeeze(-1)))
-    parts += attn.flex_extra_parts(state, qs, k, v, real, tile)
+        out, lse = flex_call(in_order(q, call), _tile_padded(keys, kv_len), _tile_padded(values, kv_len), mask,
+                             query_scale(q))
+        parts.append((call.group, out, lse, call))
+    parts += [(group, out, lse, None) for group, out, lse in attn.flex_extra_parts(state, q, k, v, real, tile)]
 
     outputs = []
-    for group in sorted({group for group, _, _ in parts}):
-        out, lse = merge_by_lse(*zip(*[(o, lse) for g, o, lse in parts if g == group]))
+    for group in sorted({part[0] for part in parts}):
+        out, lse = merge_by_lse([part[1:] for part in parts if part[0] == group])
         if real is not None:  # a query with no real key and no usable region (ops.padding, rule 3)
-            fallback = _direct_fallback(layout, calls, group, qs, k, v, tile)
+            fallback = _direct_fallback(layout, calls, group, q, qs, k, v, tile)
             if fallback is not None:
                 out = torch.where(torch.isneginf(lse).unsqueeze(-1), fallback, out)
         outputs.append(out)
@@ -142,10 +144,11 @@ def run_layer(attn, layout: StaticLayout | None, q: torch.Tensor, k: torch.Tenso
     return outputs[0] if len(outputs) == 1 else sum(outputs) / len(outputs)
 
 
-def _direct_fallback(layout: StaticLayout | None, calls, group: int, qs, k, v, tile: int) -> torch.Tensor | None:
+def _direct_fallback(layout: StaticLayout | None, calls, group: int, q, qs, k, v, tile: int) -> torch.Tensor | None:
     """The group's output over its unpadded fallback keys alone (``ops.padding``'s rule for empty queries; None: the
-    group has no direct keys). A call of single keys laid out as regions (``FlexCall.key_regions``) without direct
-    keys of its own contributes those keys, unpadded (its static mask)."""
+    group has no direct keys); ``q`` unscaled, ``qs`` scaled (the summaries'). A call of single keys laid out as
+    regions (``FlexCall.key_regions``) without direct keys of its own contributes those keys, unpadded (its static
+    mask)."""
     L = qs.shape[-2]
     parts = []
     for index, call in enumerate(calls):
@@ -164,9 +167,10 @@ def _direct_fallback(layout: StaticLayout | None, calls, group: int, qs, k, v, t
                 mask = build_block_mask(call.mask_mod(L, direct_only=True), qs.shape[0], call.heads, L, kv_len,
                                         qs.device, tile)
             keys, values = [in_order(k, call)], [in_order(v, call)]
-        out, lse = flex_call(in_order(qs, call), _tile_padded(keys, kv_len), _tile_padded(values, kv_len), mask)
-        parts.append((to_sequence(out, call), to_sequence(lse.unsqueeze(-1), call).squeeze(-1)))
-    return merge_by_lse(*zip(*parts))[0] if parts else None
+        out, lse = flex_call(in_order(q, call), _tile_padded(keys, kv_len), _tile_padded(values, kv_len), mask,
+                             query_scale(q))
+        parts.append((out, lse, call))
+    return merge_by_lse(parts)[0] if parts else None
 
 
 def _tile_padded(parts: list[torch.Tensor], kv_len: int) -> torch.Tensor:
@@ -177,17 +181,24 @@ def _tile_padded(parts: list[torch.Tensor], kv_len: int) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, -2)
 
 
-def flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) -> tuple[torch.Tensor, torch.Tensor]:
-    """One flex call on scaled q (``scale=1``) -> output ``(B, H, L, Dv)`` and natural-log lse ``(B, H, L)``."""
+def query_scale(q: torch.Tensor) -> float:
+    """The logits' 1/sqrt(D) (``Attention.scale``'s) for unscaled q ``(..., D)``, applied inside the flex calls: a
+    call on scaled queries kept that scaled copy for its backward (one more output's worth of memory per layer)."""
+    return 1.0 / math.sqrt(q.shape[-1])
+
+
+def flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask,
+              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One flex call, logits ``scale * q . k`` -> output ``(B, H, L, Dv)`` and natural-log lse ``(B, H, L)``."""
     if q.is_cuda or torch.compiler.is_compiling():
-        out, aux = flex_attention(q, k, v, block_mask=mask, scale=1.0, return_aux=AuxRequest(lse=True))
+        out, aux = flex_attention(q, k, v, block_mask=mask, scale=scale, return_aux=AuxRequest(lse=True))
         return out, aux.lse
-    return flex_reference(q, k, v, mask)  # CPU, eager: the unfused reference, forward only (``ops.cpu.kernels``)
+    return flex_reference(q, k, v, mask, scale)  # CPU, eager: the unfused reference, forward only (``ops.cpu.kernels``)
 
 
-def in_order(x: torch.Tensor, call: FlexCall) -> torch.Tensor:
-    """(B, H, L, .) in sequence order -> the call's order."""
-    return x if call.order is None else x.index_select(-2, call.order)
+def in_order(x: torch.Tensor, call: FlexCall | None) -> torch.Tensor:
+    """(B, H, L, .) in sequence order -> the call's order (``call`` None: sequence order)."""
+    return x if call is None or call.order is None else x.index_select(-2, call.order)
 
 
 def in_order_rows(real: torch.Tensor, call: FlexCall) -> torch.Tensor:
@@ -195,19 +206,21 @@ def in_order_rows(real: torch.Tensor, call: FlexCall) -> torch.Tensor:
     return real if call.order is None else real.index_select(-1, call.order)
 
 
-def to_sequence(x: torch.Tensor, call: FlexCall) -> torch.Tensor:
-    """(B, H, L, .) in the call's order -> sequence order."""
-    if call.order is None:
-        return x
-    return torch.empty_like(x).index_copy_(-2, call.order, x)
+def to_sequence(x: torch.Tensor, call: FlexCall | None) -> torch.Tensor:
+    """(B, H, L, .) in the call's order (``call`` None: already in sequence order) -> sequence order."""
+    return x if call is None or call.order is None else x.index_select(-2, call.sequence_order)
 
 
-def merge_by_lse(outs, lses) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact joint softmax of calls over disjoint key sets from their outputs ``(B, H, L, Dv)`` and
-    log-sum-exps ``(B, H, L)``; a query no call reaches keeps output 0 and lse -inf."""
-    if len(outs) == 1:
-        return outs[0], lses[0]
+def merge_by_lse(parts) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact joint softmax of calls over disjoint key sets from their ``(output (B, H, L, Dv), log-sum-exp
+    (B, H, L), call)``, each in its call's order (call None: sequence order) -> output and lse in sequence order;
+    a query no call reaches keeps output 0 and lse -inf. Each output is weighted in its own order before it is
+    reordered, so the backward keeps the call's output (which FlexAttention keeps anyway), not a reordered copy."""
+    lses = [to_sequence(lse.unsqueeze(-1), call).squeeze(-1) for _, lse, call in parts]
+    if len(parts) == 1:
+        return to_sequence(parts[0][0], parts[0][2]), lses[0]
     lse = functools.reduce(torch.logaddexp, lses)
-    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    out = sum(o * (part - safe).exp().unsqueeze(-1).to(o.dtype) for o, part in zip(outs, lses))
+    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).unsqueeze(-1)
+    out = sum(to_sequence(o * (part.unsqueeze(-1) - in_order(safe, call)).exp().to(o.dtype), call)
+              for o, part, call in parts)
     return out, lse

@@ -1,14 +1,17 @@
-"""What a flex layout visits and means, without running an attention: tiles against causal full attention's and its
-backward's longest serial loop (the benchmark's hardware-independent columns), and the calls' masks back as one
-dense ``Partition`` (tests)."""
+"""What a flex layout visits, keeps and means, without a GPU: tiles against causal full attention's, its backward's
+longest serial loop and the bytes one layer keeps for its backward (the benchmark's hardware-independent columns),
+and the calls' masks back as one dense ``Partition`` (tests)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import NamedTuple
 
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
+from longseq.attention.ops.flex import engine
 from longseq.attention.ops.flex.block_masks import causal_full_tiles, static_layout, tiles_of
 from longseq.attention.ops.flex.calls import TILE, tile_size
 from longseq.attention.ops.partition import Partition
@@ -39,6 +42,84 @@ def flex_longest_loop(attn, L: int, device="cpu", tile: int = TILE) -> float:
     longest = max(int((mask.q_num_blocks + (0 if mask.full_q_num_blocks is None else mask.full_q_num_blocks)).max())
                   for mask in layout.masks)
     return longest / -(-L // tile)
+
+
+class KeptForBackward(NamedTuple):
+    """Bytes one layer keeps for its backward, each divided by its output's (``flex_kept_for_backward``)."""
+
+    whole: float  # everything, each storage once
+    calls: float  # what the flex calls keep: their q, k, v, output and lse
+    outside: float  # what the layer's other operations save (some of it the calls keep too)
+
+
+def _kernel_shapes(kept: dict[int, int], alive: list) -> type[torch.autograd.Function]:
+    """One flex call's contract without its arithmetic, for counting on CPU (whose FlexAttention has no backward):
+    output ``(B, H, Lq, Dv)`` and lse ``(B, H, Lq)`` of zeros, zero gradients. What FlexAttention's backward keeps
+    (q, k, v, the output, the lse) is held in ``alive`` and its storages' bytes recorded in ``kept``, out of sight of
+    saved-tensor hooks, which then see the rest of the layer alone."""
+
+    class KernelShapes(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+            lse = q.new_zeros(q.shape[:-1], dtype=torch.float32)
+            ctx.shapes = [(x.shape, x.dtype) for x in (q, k, v)]
+            alive.append((q, k, v, out, lse))
+            kept.update((x.untyped_storage()._cdata, x.untyped_storage().nbytes()) for x in (q, k, v, out, lse))
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, grad_out, grad_lse):
+            return tuple(torch.zeros(shape, dtype=dtype) for shape, dtype in ctx.shapes)
+
+    return KernelShapes
+
+
+@contextlib.contextmanager
+def _flex_calls_replaced(kernel: type[torch.autograd.Function]):
+    """Every flex call of the block (``engine.flex_call``: the one entry of the layer's calls and of the gathered
+    selections) computed by ``kernel`` instead."""
+    real = engine.flex_call
+    engine.flex_call = lambda q, k, v, mask, scale: kernel.apply(q, k, v)
+    try:
+        yield
+    finally:
+        engine.flex_call = real
+
+
+def flex_kept_for_backward(attn, L: int, heads: int, head_dim: int, seed: int = 0) -> KeptForBackward:
+    """What one training layer keeps for its backward at length L on the flex backend (the memory beside its
+    output that a GPU step holds until the backward), in bytes divided by its output's, ``L * head_dim * 2 * heads``
+    (B 1, bf16; ``attn`` is cast to bf16); the layer's q, k, v and parameters not counted. Full attention (SDPA)
+    keeps about 1: its output.
+
+    The layer's own code runs on CPU on random data, each flex call replaced by one that keeps what FlexAttention
+    keeps (``_kernel_shapes``); the rest is counted by saved-tensor hooks. It runs outside a compiled graph, so it
+    bounds from above what inductor keeps (which may recompute pointwise results in the backward). Hardware
+    independent: no attention is computed."""
+    generator = torch.Generator().manual_seed(seed)
+    module = attn.to(torch.bfloat16).train()
+    shape = (1, heads, L, head_dim)
+    q, k, v = (torch.randn(shape, generator=generator).to(torch.bfloat16).requires_grad_() for _ in range(3))
+    own = {x.untyped_storage()._cdata for x in (q, k, v, *module.parameters(), *module.buffers())}
+    saved: dict[int, int] = {}
+    kept: dict[int, int] = {}
+    alive: list = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved[tensor.untyped_storage()._cdata] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with _flex_calls_replaced(_kernel_shapes(kept, alive)), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = engine.flex_forward(module, q, k, v)
+    out.float().sum().backward()
+    unit = L * head_dim * 2 * heads
+
+    def share(*parts: dict[int, int]) -> float:
+        return sum(n for key, n in {key: n for part in parts for key, n in part.items()}.items()
+                   if key not in own) / unit
+
+    return KeptForBackward(share(saved, kept), share(kept), share(saved))
 
 
 def flex_partition(attn, L: int, head: int = 0) -> Partition:

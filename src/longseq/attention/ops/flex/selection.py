@@ -54,10 +54,10 @@ def other_block_pairs(length: int, block_size: int, k: int, causal: bool) -> int
     return pair_bound(length, block_size, lambda s: min(k, s if causal else n - 1))
 
 
-def selected_blocks(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chosen: torch.Tensor, ok: torch.Tensor,
+def selected_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chosen: torch.Tensor, ok: torch.Tensor,
                     block_size: int, tile: int, real: torch.Tensor | None = None, causal: bool = False,
                     most_pairs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each query over the keys of its chosen blocks, one softmax: scaled ``qs`` ``(B, H, L, D)``, k, v
+    """Each query over the keys of its chosen blocks, one softmax: unscaled ``q`` ``(B, H, L, D)``, k, v
     ``(B, H, L, .)``, ``chosen`` / ``ok`` ``(B, H, L, K)`` (block ``c`` = keys ``[c m, (c + 1) m)``; ``ok`` False: no
     block) -> output ``(B, H, L, Dv)`` and lse ``(B, H, L)`` (-inf where no key is left). ``real`` ``(B, L)``: the
     real keys; ``causal``: keys after the query are left out; ``most_pairs``: how many ``ok`` pairs the variant's
@@ -69,8 +69,8 @@ def selected_blocks(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chosen: 
     P = L * K
     pairs = P if most_pairs is None else min(most_pairs, P)
     if not pairs:  # the rule leaves no free pick at this length (nsa with every pick forced; moba with one block)
-        no_key = qs.new_full(qs.shape[:-1], float("-inf"), dtype=torch.float32)
-        return qs.new_zeros(*qs.shape[:-1], v.shape[-1]), no_key
+        no_key = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)
+        return q.new_zeros(*q.shape[:-1], v.shape[-1]), no_key
     packed = m < tile  # blocks under a tile share key tiles anyway: pairs back to back, a tile may span blocks
     R = whole_tiles(pairs, tile) if packed else buffer_rows(pairs, n, tile)
     device = chosen.device
@@ -106,16 +106,19 @@ def selected_blocks(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chosen: 
     tiles = _packed_tiles if packed else _one_block_per_tile
     mask = BlockMask.from_kv_blocks(*tiles(row_block, m, L, tile, kv_len // tile), BLOCK_SIZE=(tile, tile),
                                     mask_mod=mask_mod, seq_lengths=(R, kv_len))
-    queries = qs.gather(2, row_query.unsqueeze(-1).expand(B, H, R, qs.shape[-1]))
+    queries = q.gather(2, row_query.unsqueeze(-1).expand(B, H, R, q.shape[-1]))
     keys, values = (_tile_padded(x, kv_len) for x in (k, v))
-    out, lse = engine.flex_call(queries, keys, values, mask)
+    out, lse = engine.flex_call(queries, keys, values, mask, engine.query_scale(q))
     take = row_of_pair.clamp(max=R - 1)
-    out = out.gather(2, take.unsqueeze(-1).expand(B, H, P, out.shape[-1])).view(B, H, L, K, -1)
-    lse = torch.where(ok, lse.gather(2, take).view(B, H, L, K), float("-inf"))
-    total = torch.logsumexp(lse, -1)
+    total = torch.logsumexp(torch.where(ok, lse.gather(2, take).view(B, H, L, K), float("-inf")), -1)
     safe = torch.where(torch.isneginf(total), 0.0, total)  # no -inf - -inf: its NaN would reach the gradients
-    weights = (lse - safe.unsqueeze(-1)).exp()
-    return (weights.unsqueeze(-1).to(out.dtype) * out).sum(-2), total
+    # each row weighted by its query's softmax share (an unused row: lse -inf, weight 0) before it is read back per
+    # pair, so the backward keeps the call's own output and per-row weights instead of an (L, K, Dv) copy;
+    # index_select (not gather) keeps only its index
+    weighted = out * (lse - safe.gather(2, row_query)).exp().unsqueeze(-1).to(out.dtype)
+    rows = (torch.arange(B * H, device=device).view(B, H, 1) * R + take).flatten()
+    per_pair = weighted.flatten(0, 2).index_select(0, rows).view(B, H, L, K, -1)
+    return torch.where(ok.unsqueeze(-1), per_pair, 0.0).sum(-2), total
 
 
 def _one_block_per_tile(row_block: torch.Tensor, m: int, L: int, tile: int,
