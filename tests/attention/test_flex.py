@@ -571,6 +571,28 @@ def test_the_bytes_kept_for_backward_count_what_flexattention_keeps():
     assert engine.flex_call.__name__ == "flex_call"  # the real kernel is back
 
 
+# what a layer may keep beyond its flex calls' own tensors, in outputs' worth at L = 2,048 (blocks of 32, H 2, D 64),
+# each between the figure after the change that set it and the one before (in brackets)
+KEPT_BEYOND_CALLS = {
+    "axial": 0.5,  # the merge weights each call's output in its own order: no reordered copy (1.16)
+    "moba": 2.0,  # the selectors weight their gathered rows before reading them back: no (L, k, D) copy (3.56)
+    "combiner_select": 2.5,  # (3.86)
+    "nsa": 4.0,  # (7.00)
+    "combiner_logsparse": 3.0,  # amax pools: values kept, not int64 argmax indices (4.59)
+    "combiner_axial": 3.0,  # its learned summary keys recomputed in the backward, and the merge as above (5.21)
+}
+
+
+@pytest.mark.parametrize("name", sorted(KEPT_BEYOND_CALLS))
+def test_a_layer_keeps_little_beyond_what_its_flex_calls_keep(name):
+    """The bytes a training layer keeps for its backward beyond its flex calls' q, k, v, outputs and lse
+    (``flex_kept_for_backward``) stay under the ceilings the memory work of issues 31 and 32 reached: a change that
+    kept a reordered, gathered or int64 copy again fails here."""
+    attn = build(name, True, seq_len=2048, block_size=32, n_heads=2, head_dim=64, backend="flex")
+    kept = flex_kept_for_backward(attn, 2048, 2, 64)
+    assert kept.whole - kept.calls <= KEPT_BEYOND_CALLS[name]
+
+
 def test_the_compiled_layer_frame_keeps_a_recompile_per_layout_and_length():
     """dynamo's default limit (8 recompiles) sent later layouts to eager, dense masks on an H200: making the compiled
     function raises it to ``FLEX_RECOMPILE_LIMIT`` (never lowers a higher one)."""

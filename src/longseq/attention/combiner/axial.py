@@ -41,6 +41,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from longseq.attention.base import Attention, AttentionConfigError
 from longseq.attention.ops.cpu.grid_flash import causal_row_column_flash
@@ -137,6 +138,15 @@ class CombinerAxialRowMajor(BlockGrid, PartitionDecoder, Attention):
         hidden = F.layer_norm(hidden, norm.normalized_shape, norm.weight.to(hidden.dtype), norm.bias.to(hidden.dtype),
                               norm.eps)
         return split_heads(F.linear(hidden, self.summary_out.weight.to(hidden.dtype)), H)
+
+    def summary_keys_recomputed(self, vbar: torch.Tensor, k_mate: torch.Tensor,
+                                k_wsum: torch.Tensor | None) -> torch.Tensor:
+        """``summary_keys``, its learned map recomputed in the backward instead of kept (the flex layout): the map's
+        activations were two or three of the ten outputs' worth that the layer kept for its backward
+        (``ops.flex.flex_kept_for_backward``), and the recomputation is two ``(L, H D) x (H D, H D)`` products."""
+        if self.row_summary != "proj" or not torch.is_grad_enabled():
+            return self.summary_keys(vbar, k_mate, k_wsum)
+        return checkpoint(self.summary_keys, vbar, k_mate, k_wsum, use_reentrant=False)
 
     # Key padding (LRA): padded keys get no direct weight and are left out of every row summary's inner
     # softmax. A row's summary for column c is made by its row-mate (r', c); where that row-mate is padding,
@@ -256,13 +266,13 @@ class CombinerAxialRowMajor(BlockGrid, PartitionDecoder, Attention):
             k_wsum = None
             if self.row_summary == "wsum":
                 k_wsum = F.scaled_dot_product_attention(*rows4[:2], rows4[1], scale=1.0).view(*kr.shape)
-            summary_k = self.summary_keys(summary_v, kr, k_wsum)
+            summary_k = self.summary_keys_recomputed(summary_v, kr, k_wsum)
             return column_major(summary_k), column_major(summary_v), None
         pad = ~real_r.unsqueeze(-2)  # (B, 1, n, 1, m)
         empty_row = pad.all(-1, keepdim=True)  # its regions are masked; any finite inner row will do
         probs = (qr @ kr.transpose(-1, -2)).masked_fill(pad & ~empty_row, NEG_INF).softmax(-1)
         summary_v = probs @ vr
-        summary_k = self.summary_keys(summary_v, kr, probs @ kr if self.row_summary == "wsum" else None)
+        summary_k = self.summary_keys_recomputed(summary_v, kr, probs @ kr if self.row_summary == "wsum" else None)
         # a padded anchor's summary is made by its row's first real position (ops.padding)
         real_rows = real_r[:, 0]
         anchor = torch.where(real_rows, torch.arange(m, device=qs.device), real_rows.int().argmax(-1, keepdim=True))
