@@ -34,6 +34,7 @@ from longseq.attention.ops.flex import (
     flex_longest_loop,
     flex_partition,
     flex_tiles_visited,
+    merge_by_lse,
     selection,
     static_layout,
     tile_size,
@@ -574,23 +575,41 @@ def test_the_bytes_kept_for_backward_count_what_flexattention_keeps():
 # what a layer may keep beyond its flex calls' own tensors, in outputs' worth at L = 2,048 (blocks of 32, H 2, D 64),
 # each between the figure after the change that set it and the one before (in brackets)
 KEPT_BEYOND_CALLS = {
-    "axial": 0.5,  # the merge weights each call's output in its own order: no reordered copy (1.16)
-    "moba": 2.0,  # the selectors weight their gathered rows before reading them back: no (L, k, D) copy (3.56)
-    "combiner_select": 2.5,  # (3.86)
-    "nsa": 4.0,  # (7.00)
-    "combiner_logsparse": 3.0,  # amax pools: values kept, not int64 argmax indices (4.59)
-    "combiner_axial": 3.0,  # its learned summary keys recomputed in the backward, and the merge as above (5.21)
+    ("axial", False): 0.5,  # the merge weights each call's output in its own order: no reordered copy (1.16)
+    ("moba", False): 2.0,  # the selectors weight their gathered rows before reading them back: no (L, k, D) copy (3.56)
+    ("combiner_select", False): 2.5,  # (3.86)
+    ("nsa", False): 4.0,  # (7.00)
+    ("combiner_logsparse", False): 3.0,  # unpadded, amax pools: values kept, not int64 argmax indices (4.59)
+    ("combiner_logsparse", True): 6.0,  # padded, max pools: amax would keep every level's masked copy (about 14)
+    ("combiner_axial", False): 2.75,  # its learned summary keys recomputed in the backward (5.24), the merge (3.23)
 }
 
 
-@pytest.mark.parametrize("name", sorted(KEPT_BEYOND_CALLS))
-def test_a_layer_keeps_little_beyond_what_its_flex_calls_keep(name):
-    """The bytes a training layer keeps for its backward beyond its flex calls' q, k, v, outputs and lse
+@pytest.mark.parametrize("name,padded", sorted(KEPT_BEYOND_CALLS))
+def test_a_layer_keeps_little_beyond_what_its_flex_calls_keep(name, padded):
+    """The bytes a training layer keeps for its backward beyond its flex calls' q, k, v, outputs, lse and block masks
     (``flex_kept_for_backward``) stay under the ceilings the memory work of issues 31 and 32 reached: a change that
     kept a reordered, gathered or int64 copy again fails here."""
     attn = build(name, True, seq_len=2048, block_size=32, n_heads=2, head_dim=64, backend="flex")
-    kept = flex_kept_for_backward(attn, 2048, 2, 64)
-    assert kept.whole - kept.calls <= KEPT_BEYOND_CALLS[name]
+    kept = flex_kept_for_backward(attn, 2048, 2, 64, padded=padded)
+    assert kept.whole - kept.calls <= KEPT_BEYOND_CALLS[(name, padded)]
+
+
+def test_the_merge_sends_no_nan_into_the_lse_gradients():
+    """A query that no part reaches (every lse -inf: a padded query with no key left, a query without a chosen block)
+    gets output 0 and lse -inf, and zero gradients into every part's lse and output. torch's logsumexp and logaddexp
+    give NaN gradients for such a row even when the gradient coming in is zero, and FlexAttention would take that
+    NaN as its lse gradient."""
+    inf = float("inf")
+    outs = [torch.randn(1, 1, 3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    lses = [torch.tensor([[[0.5, -inf, 1.0]]], dtype=torch.float64, requires_grad=True),
+            torch.tensor([[[-inf, -inf, 2.0]]], dtype=torch.float64, requires_grad=True)]
+    out, lse = merge_by_lse([(o, part, None) for o, part in zip(outs, lses)])
+    assert torch.isneginf(lse[0, 0, 1]) and not out[0, 0, 1].any()
+    torch.testing.assert_close(lse[0, 0, 2], torch.logaddexp(lses[0][0, 0, 2], lses[1][0, 0, 2]))
+    (out.sum() + torch.where(torch.isneginf(lse), 0.0, lse).sum()).backward()
+    for tensor in (*outs, *lses):
+        assert torch.isfinite(tensor.grad).all()
 
 
 def test_the_compiled_layer_frame_keeps_a_recompile_per_layout_and_length():

@@ -189,10 +189,11 @@ class CombinerLogsparseAttention(PooledCombiner, Attention):
                 size, count = 1 << lvl, L >> lvl
                 blocks = [x[..., : count * size, :].unflatten(-2, (count, size))[:, :, ::2] for x in (dq, dk, dv)]
                 member = None if dreal is None else dreal[:, : count * size].view(-1, 1, count, size)[:, :, ::2]
-                # by value (amax): most regions hold two or four members, and max kept int64 argmax indices for
-                # every pooled row of q and k (4 outputs' worth over the levels); amax keeps the scaled queries once
-                # (ops.flex.flex_kept_for_backward at L = 16,384: the layer keeps 6.2 outputs' worth, 9.7 before)
-                k_bar, v_bar = self.summary.region_summaries(*blocks, member, by_value=True)
+                # by value (amax) when unpadded: most regions hold two or four members, and max kept int64 argmax
+                # indices for every pooled row of q and k; amax keeps the scaled queries once
+                # (ops.flex.flex_kept_for_backward at L = 16,384: 8.7 -> 6.2 outputs' worth). Padded, amax would
+                # keep each level's masked copy instead (19.7 against 9.7), so max stays
+                k_bar, v_bar = self.summary.region_summaries(*blocks, member, by_value=member is None)
                 k_rows.append(k_bar)
                 v_rows.append(v_bar)
                 if member is not None:

@@ -211,6 +211,14 @@ def to_sequence(x: torch.Tensor, call: FlexCall | None) -> torch.Tensor:
     return x if call is None or call.order is None else x.index_select(-2, call.sequence_order)
 
 
+def logsumexp_of(x: torch.Tensor) -> torch.Tensor:
+    """``logsumexp`` over the last axis, -inf where every entry is -inf, with zero gradients there: torch's own
+    gives NaN gradients for such a row (exp(-inf - -inf)), even under a zero upstream gradient, and a padded query
+    with no key left would send them into FlexAttention's lse gradient."""
+    empty = torch.isneginf(x).all(-1, keepdim=True)
+    return torch.logsumexp(x.masked_fill(empty, 0.0), -1).masked_fill(empty.squeeze(-1), float("-inf"))
+
+
 def merge_by_lse(parts) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact joint softmax of calls over disjoint key sets from their ``(output (B, H, L, Dv), log-sum-exp
     (B, H, L), call)``, each in its call's order (call None: sequence order) -> output and lse in sequence order;
@@ -219,7 +227,7 @@ def merge_by_lse(parts) -> tuple[torch.Tensor, torch.Tensor]:
     lses = [to_sequence(lse.unsqueeze(-1), call).squeeze(-1) for _, lse, call in parts]
     if len(parts) == 1:
         return to_sequence(parts[0][0], parts[0][2]), lses[0]
-    lse = functools.reduce(torch.logaddexp, lses)
+    lse = logsumexp_of(torch.stack(lses, -1))
     safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).unsqueeze(-1)
     out = sum(to_sequence(o * (part.unsqueeze(-1) - in_order(safe, call)).exp().to(o.dtype), call)
               for o, part, call in parts)

@@ -48,8 +48,33 @@ class KeptForBackward(NamedTuple):
     """Bytes one layer keeps for its backward, each divided by its output's (``flex_kept_for_backward``)."""
 
     whole: float  # everything, each storage once
-    calls: float  # what the flex calls keep: their q, k, v, output and lse
+    calls: float  # what the flex calls keep: their q, k, v, output, lse and the block masks made for this batch
     outside: float  # what the layer's other operations save (some of it the calls keep too)
+
+
+def mask_tensors(mask) -> list[torch.Tensor]:
+    """The tensors a ``BlockMask`` holds: its tile tables and whatever its mask_mod's closures capture (a batch's
+    padding, chosen blocks, clusters), followed through the functions those closures hold."""
+    tables = (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices, mask.q_num_blocks,
+              mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices)
+    tensors = [t for t in tables if t is not None]
+    seen, functions = set(), [mask.mask_mod]
+    while functions:
+        function = functions.pop()
+        if id(function) in seen:
+            continue
+        seen.add(id(function))
+        for cell in getattr(function, "__closure__", None) or ():
+            value = cell.cell_contents
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+            elif callable(value):
+                functions.append(value)
+    return tensors
+
+
+def _storages(tensors) -> dict[int, int]:
+    return {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
 
 
 def _kernel_shapes(kept: dict[int, int], alive: list) -> type[torch.autograd.Function]:
@@ -65,7 +90,7 @@ def _kernel_shapes(kept: dict[int, int], alive: list) -> type[torch.autograd.Fun
             lse = q.new_zeros(q.shape[:-1], dtype=torch.float32)
             ctx.shapes = [(x.shape, x.dtype) for x in (q, k, v)]
             alive.append((q, k, v, out, lse))
-            kept.update((x.untyped_storage()._cdata, x.untyped_storage().nbytes()) for x in (q, k, v, out, lse))
+            kept.update(_storages((q, k, v, out, lse)))
             return out, lse
 
         @staticmethod
@@ -76,32 +101,49 @@ def _kernel_shapes(kept: dict[int, int], alive: list) -> type[torch.autograd.Fun
 
 
 @contextlib.contextmanager
-def _flex_calls_replaced(kernel: type[torch.autograd.Function]):
+def _flex_calls_replaced(kept: dict[int, int], alive: list):
     """Every flex call of the block (``engine.flex_call``: the one entry of the layer's calls and of the gathered
-    selections) computed by ``kernel`` instead."""
-    real = engine.flex_call
-    engine.flex_call = lambda q, k, v, mask, scale: kernel.apply(q, k, v)
+    selections) computed by ``_kernel_shapes`` instead, its block mask's tensors recorded in ``kept`` too."""
+    kernel, real = _kernel_shapes(kept, alive), engine.flex_call
+
+    def call(q, k, v, mask, scale):
+        alive.append(mask)
+        kept.update(_storages(mask_tensors(mask)))
+        return kernel.apply(q, k, v)
+
+    engine.flex_call = call
     try:
         yield
     finally:
         engine.flex_call = real
 
 
-def flex_kept_for_backward(attn, L: int, heads: int, head_dim: int, seed: int = 0) -> KeptForBackward:
+def flex_kept_for_backward(attn, L: int, heads: int, head_dim: int, padded: bool = False,
+                           seed: int = 0) -> KeptForBackward:
     """What one training layer keeps for its backward at length L on the flex backend (the memory beside its
     output that a GPU step holds until the backward), in bytes divided by its output's, ``L * head_dim * 2 * heads``
-    (B 1, bf16; ``attn`` is cast to bf16); the layer's q, k, v and parameters not counted. Full attention (SDPA)
-    keeps about 1: its output.
+    (B 1, bf16; ``attn`` is cast to bf16); the layer's q, k, v, its parameters and its static layout's block masks
+    (shared by every layer) not counted. ``padded``: the batch's last eighth of keys is padding. Full attention
+    (SDPA) keeps about 1: its output.
 
     The layer's own code runs on CPU on random data, each flex call replaced by one that keeps what FlexAttention
-    keeps (``_kernel_shapes``); the rest is counted by saved-tensor hooks. It runs outside a compiled graph, so it
-    bounds from above what inductor keeps (which may recompute pointwise results in the backward). Hardware
-    independent: no attention is computed."""
+    keeps (``_kernel_shapes``: q, k, v, output, lse, and the block mask with what its mask_mod captures); the rest is
+    counted by saved-tensor hooks. It runs outside a compiled graph, where inductor may keep less (it can recompute
+    pointwise results in the backward). Hardware independent: no attention is computed."""
     generator = torch.Generator().manual_seed(seed)
     module = attn.to(torch.bfloat16).train()
     shape = (1, heads, L, head_dim)
     q, k, v = (torch.randn(shape, generator=generator).to(torch.bfloat16).requires_grad_() for _ in range(3))
+    pad = None
+    if padded:
+        pad = torch.zeros(1, L, dtype=torch.bool)
+        pad[:, L - L // 8:] = True
     own = {x.untyped_storage()._cdata for x in (q, k, v, *module.parameters(), *module.buffers())}
+    if not module.flex_from_data:
+        layout = static_layout(module, L, torch.device("cpu"), tile_size(L), padded=padded,
+                               per_batch=module.flex_selects)
+        shared = [*layout.masks, *(layout.partial_masks or ()), *(m for m in layout.direct_masks or () if m)]
+        own |= {t.untyped_storage()._cdata for mask in shared for t in mask_tensors(mask)}
     saved: dict[int, int] = {}
     kept: dict[int, int] = {}
     alive: list = []
@@ -110,8 +152,8 @@ def flex_kept_for_backward(attn, L: int, heads: int, head_dim: int, seed: int = 
         saved[tensor.untyped_storage()._cdata] = tensor.untyped_storage().nbytes()
         return tensor
 
-    with _flex_calls_replaced(_kernel_shapes(kept, alive)), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = engine.flex_forward(module, q, k, v)
+    with _flex_calls_replaced(kept, alive), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = engine.flex_forward(module, q, k, v, pad)
     out.float().sum().backward()
     unit = L * head_dim * 2 * heads
 

@@ -110,7 +110,7 @@ def selected_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chosen: t
     keys, values = (_tile_padded(x, kv_len) for x in (k, v))
     out, lse = engine.flex_call(queries, keys, values, mask, engine.query_scale(q))
     take = row_of_pair.clamp(max=R - 1)
-    total = torch.logsumexp(torch.where(ok, lse.gather(2, take).view(B, H, L, K), float("-inf")), -1)
+    total = engine.logsumexp_of(torch.where(ok, lse.gather(2, take).view(B, H, L, K), float("-inf")))
     safe = torch.where(torch.isneginf(total), 0.0, total)  # no -inf - -inf: its NaN would reach the gradients
     # each row weighted by its query's softmax share (an unused row: lse -inf, weight 0) before it is read back per
     # pair, so the backward keeps the call's own output and per-row weights instead of an (L, K, Dv) copy;
