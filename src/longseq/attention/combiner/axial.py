@@ -142,7 +142,7 @@ class CombinerAxialRowMajor(BlockGrid, PartitionDecoder, Attention):
     def summary_keys_recomputed(self, vbar: torch.Tensor, k_mate: torch.Tensor,
                                 k_wsum: torch.Tensor | None) -> torch.Tensor:
         """``summary_keys``, its learned map recomputed in the backward instead of kept (the flex layout): the map's
-        activations were two or three of the ten outputs' worth that the layer kept for its backward
+        activations were 3 of the 11 outputs' worth that the layer kept for its backward at H 8
         (``ops.flex.flex_kept_for_backward``), and the recomputation is two ``(L, H D) x (H D, H D)`` products."""
         if self.row_summary != "proj" or not torch.is_grad_enabled():
             return self.summary_keys(vbar, k_mate, k_wsum)

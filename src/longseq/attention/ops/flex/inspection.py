@@ -65,7 +65,10 @@ def mask_tensors(mask) -> list[torch.Tensor]:
             continue
         seen.add(id(function))
         for cell in getattr(function, "__closure__", None) or ():
-            value = cell.cell_contents
+            try:
+                value = cell.cell_contents
+            except ValueError:  # a cell not yet filled
+                continue
             if isinstance(value, torch.Tensor):
                 tensors.append(value)
             elif callable(value):
