@@ -41,6 +41,7 @@ from longseq.attention.ops.flex import (
     tiles_of,
 )
 from longseq.attention.ops.flex.calls import whole_tiles
+from longseq.attention.ops.flex.inspection import flex_calls_as_shapes
 from longseq.attention.ops.partition import Partition
 
 L, BLOCK = 32, 4  # forward checks: 8 segments / grid rows
@@ -267,24 +268,12 @@ def test_flex_summaries_follow_the_variants_knobs(name, knobs):
 
 
 # -- what a GPU step needs, checked on CPU -------------------------------------------------------------------
-class FlexStandIn(torch.autograd.Function):
-    """A differentiable stand-in for one flex call on CPU (whose FlexAttention has no backward): outputs of the right
-    shapes and dtypes, gradients of zeros into q, k and v, nothing saved; so the rest of the layer runs its
-    backward and its saved tensors can be counted."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        ctx.specs = [(x.shape, x.dtype) for x in (q, k, v)]
-        return q.new_zeros(*q.shape[:-1], v.shape[-1]), q.new_zeros(q.shape[:-1], dtype=torch.float32)
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        return tuple(torch.zeros(shape, dtype=dtype) for shape, dtype in ctx.specs)
-
-
 @pytest.fixture
-def flex_stand_in(monkeypatch):
-    monkeypatch.setattr(engine, "flex_call", lambda q, k, v, mask, scale: FlexStandIn.apply(q, k, v))
+def flex_stand_in():
+    """Every flex call a differentiable stand-in of the right shapes (CPU FlexAttention has no backward), so the
+    rest of the layer runs its backward."""
+    with flex_calls_as_shapes():
+        yield
 
 
 # tracing costs seconds a case: the fast suite traces each variant's first direction unpadded, the slow suite the rest

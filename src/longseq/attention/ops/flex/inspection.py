@@ -104,9 +104,12 @@ def _kernel_shapes(kept: dict[int, int], alive: list) -> type[torch.autograd.Fun
 
 
 @contextlib.contextmanager
-def _flex_calls_replaced(kept: dict[int, int], alive: list):
-    """Every flex call of the block (``engine.flex_call``: the one entry of the layer's calls and of the gathered
-    selections) computed by ``_kernel_shapes`` instead, its block mask's tensors recorded in ``kept`` too."""
+def flex_calls_as_shapes(kept: dict[int, int] | None = None, alive: list | None = None):
+    """Within: every flex call (``engine.flex_call``: the one entry of the layer's calls and of the gathered
+    selections) computed by ``_kernel_shapes`` instead, its block mask's tensors recorded in ``kept`` too; so a
+    layer runs its backward on CPU (tests: what a training step reads on the host; ``flex_kept_for_backward``)."""
+    kept = {} if kept is None else kept
+    alive = [] if alive is None else alive
     kernel, real = _kernel_shapes(kept, alive), engine.flex_call
 
     def call(q, k, v, mask, scale):
@@ -155,7 +158,7 @@ def flex_kept_for_backward(attn, L: int, heads: int, head_dim: int, padded: bool
         saved[tensor.untyped_storage()._cdata] = tensor.untyped_storage().nbytes()
         return tensor
 
-    with _flex_calls_replaced(kept, alive), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with flex_calls_as_shapes(kept, alive), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = engine.flex_forward(module, q, k, v, pad)
     out.float().sum().backward()
     unit = L * head_dim * 2 * heads
