@@ -32,6 +32,7 @@ from longseq.attention.combiner.summary import PooledCombiner, RegionSummary
 from longseq.attention.ops.cpu.segment_flash import SummaryChunk, segment_flash_attention, summary_plan
 from longseq.attention.ops.dispatch import CpuFlash
 from longseq.attention.ops.flex.calls import FlexCall, same_block
+from longseq.attention.ops.flex.regions import RegionTable
 from longseq.attention.ops.geometry import BlockGrid
 from longseq.attention.ops.masks import causal_mask
 from longseq.attention.ops.partition import Partition
@@ -158,7 +159,10 @@ class CombinerFixedAttention(BlockGrid, PooledCombiner, Attention):
         def members():
             return grid.rows(device).unsqueeze(0) == torch.arange(n, device=device).unsqueeze(1)
 
-        return [FlexCall(same_block(m, causal), None, n, usable, members)]
+        regions = None
+        if self.summary.poolable:  # segment g: positions g m .. g m + m - 1
+            regions = RegionTable.of(torch.arange(n) * m, 1, m, reduce=self.summary.reduce, device=device)
+        return [FlexCall(same_block(m, causal), None, n, usable, members, regions=regions)]
 
     def flex_summaries(self, index: int, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        real: torch.Tensor | None, state=None):

@@ -43,6 +43,7 @@ from longseq.attention.combiner.summary import PooledCombiner, RegionSummary
 from longseq.attention.ops.amp import autocast_function
 from longseq.attention.ops.flex import calls
 from longseq.attention.ops.flex.calls import TILE, FlexCall
+from longseq.attention.ops.flex.regions import RegionTable
 from longseq.attention.ops.geometry import fenwick_blocks, num_log_levels
 from longseq.attention.ops.log_levels import (
     LevelMix,
@@ -171,7 +172,21 @@ class CombinerLogsparseAttention(PooledCombiner, Attention):
             return torch.where(future.unsqueeze(1), inside.flip(-1), inside)
 
         return [FlexCall(direct, None, level.numel(), usable, members,
-                         summary_order=flex_region_rows(level, chunk, future, L), copy_from=copy_from)]
+                         summary_order=flex_region_rows(level, chunk, future, L), copy_from=copy_from,
+                         regions=self.flex_region_table(L, device) if self.summary.poolable else None)]
+
+    def flex_region_table(self, L: int, device) -> RegionTable:
+        """``flex_summaries``'s blocks as position ranges, in its row order: per direction and level l >= 1 the even
+        chunks c of 2^l positions, ``[c 2^l, (c + 1) 2^l)``; a future block (the reversed sequence's) is the range
+        ``[L - (c + 1) 2^l, L - c 2^l)``."""
+        starts, sizes = [], []
+        for future in ([False] if self.causal else [False, True]):
+            for lvl in range(1, num_log_levels(L)):
+                size = 1 << lvl
+                chunk = torch.arange(0, L >> lvl, 2)
+                starts.append(L - (chunk + 1) * size if future else chunk * size)
+                sizes.append(torch.full_like(chunk, size))
+        return RegionTable.of(torch.cat(starts), 1, torch.cat(sizes), reduce=self.summary.reduce, device=device)
 
     def flex_summaries(self, index: int, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        real: torch.Tensor | None, state=None):

@@ -79,6 +79,7 @@ from longseq.attention.ops.flex.calls import (
     own_column,
     same_block,
 )
+from longseq.attention.ops.flex.regions import RegionTable
 from longseq.attention.ops.geometry import BlockGrid, Grid
 from longseq.attention.ops.joint_softmax import LogitGroup, joint_groups_attention, with_padding_fallback
 from longseq.attention.ops.masks import NEG_INF, causal_mask
@@ -497,7 +498,8 @@ class PooledAxialAttention(BlockGrid, PooledCombiner, Attention):
                 side = torch.where(kind.unsqueeze(1) == 0, rows.unsqueeze(0) < r, rows.unsqueeze(0) > r)
                 return (cols.unsqueeze(0) == c) & side
 
-            calls.append(FlexCall(own_row, None, length * v_kinds, usable_vertical, members_vertical))
+            calls.append(FlexCall(own_row, None, length * v_kinds, usable_vertical, members_vertical,
+                                  regions=self.flex_region_table(grid, VERTICAL, device)))
             if average:  # the vertical plan's own column; the horizontal plan's own row
                 calls += [FlexCall(own_col, order), FlexCall(own_row, group=1)]
         else:
@@ -525,7 +527,33 @@ class PooledAxialAttention(BlockGrid, PooledCombiner, Attention):
             return same_row & (cols.unsqueeze(0) != c)
 
         return calls + [FlexCall(own_col, order, length * h_kinds, usable_horizontal, members=members_horizontal,
-                                 family=HORIZONTAL, group=1 if average else 0)]
+                                 family=HORIZONTAL, group=1 if average else 0,
+                                 regions=self.flex_region_table(grid, HORIZONTAL, device))]
+
+    def flex_region_table(self, grid: Grid, family: int, device) -> RegionTable | None:
+        """``flex_summaries``'s regions as strided position ranges, in its row order (None for the DeepSets pools,
+        which keep the variant's own summaries). Vertical, slot ``(r, c')`` row-major: column c' above row r (start c',
+        stride m, r members) and, bidirectional, below it (interleaved). Horizontal, slot ``(r', c)`` column-major: row
+        r' left and right of column c (interleaved), or the whole row without column c (``skip``)."""
+        if not self.summary.poolable:
+            return None
+        n, m = grid.n_rows, grid.n_cols
+        slot = torch.arange(grid.length)
+        if family == VERTICAL:
+            r, c = slot // m, slot % m
+            kinds = [(c, m, r, None)]
+            if not self.causal:
+                kinds.append(((r + 1) * m + c, m, n - 1 - r, None))
+        else:
+            c, r = slot // n, slot % n
+            if self.horizontal_regions == "whole":
+                kinds = [(r * m, 1, torch.full_like(r, m), r * m + c)]
+            else:
+                kinds = [(r * m, 1, c, None), (r * m + c + 1, 1, m - 1 - c, None)]
+        columns = [torch.stack([torch.as_tensor(x if x is not None else -1).expand(grid.length) for x in kind])
+                   for kind in kinds]
+        start, stride, count, skip = torch.stack(columns, -1).flatten(1)  # kinds interleaved per slot
+        return RegionTable.of(start, stride, count, skip, reduce=self.summary.reduce, device=device)
 
     def flex_summaries(self, index: int, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        real: torch.Tensor | None, state=None):

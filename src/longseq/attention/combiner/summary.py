@@ -46,6 +46,12 @@ class RegionSummary(nn.Module):
     def has_parameters(self) -> bool:
         return self.phi_query is not None
 
+    @property
+    def poolable(self) -> bool:
+        """The pool acts on the queries and keys themselves (``max``, ``mean``): ``ops.flex.regions.summary_kv``
+        computes it fused; the DeepSets kinds' learned maps keep the variant's own summaries."""
+        return self.phi_query is None
+
     def _pool(self, x: torch.Tensor, dim: int, phi: nn.Module | None) -> torch.Tensor:
         return self.reduce_over(self._features(x, phi), dim)
 

@@ -24,8 +24,9 @@ from typing import Callable
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from longseq.attention.ops.flex import calls
+from longseq.attention.ops.flex import calls, summary_launch
 from longseq.attention.ops.flex.calls import TILE, FlexCall, whole_tiles
+from longseq.attention.ops.flex.regions import FusedKV
 
 # The builder evaluates the mask_mod on a (B, H, rows, KV) index grid per chunk of query tiles: at most this many
 # cells a chunk (int32 intermediates), so memory stays O(chunk) whatever L
@@ -121,6 +122,7 @@ class StaticLayout:
     masks: tuple[BlockMask, ...]
     partial_masks: tuple[BlockMask, ...] | None = None
     direct_masks: tuple[BlockMask | None, ...] | None = None
+    fused: tuple[FusedKV | None, ...] = ()  # per call with ``regions``: the tables of ``regions.summary_kv``
 
 
 _REGISTRY: dict[tuple, StaticLayout] = {}
@@ -148,7 +150,10 @@ def _register(attn, L: int, device: torch.device, tile: int, padded: bool, per_b
         kv_lens = tuple(whole_tiles(call.kv_len(L), tile) for call in calls)
         masks = tuple(build_block_mask(call.mask_mod(L), 1, call.heads, L, kv, device, tile)
                       for call, kv in zip(calls, kv_lens))
-        layout = _REGISTRY[key] = StaticLayout(calls, L, tile, device, kv_lens, masks)
+        fused = tuple(None if call.regions is None else FusedKV.of(call, L, kv) for call, kv in zip(calls, kv_lens))
+        if any(fused):
+            summary_launch.register()  # here, not in a traced step: the step only reads torch.ops
+        layout = _REGISTRY[key] = StaticLayout(calls, L, tile, device, kv_lens, masks, fused=fused)
     if (padded or per_batch) and layout.partial_masks is None:
         layout.partial_masks = tuple(_all_partial(mask) for mask in layout.masks)
     if padded and layout.direct_masks is None:

@@ -20,11 +20,14 @@ autograd sums the copies' gradients. A call with many summaries, few of them hot
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from longseq.attention.ops.geometry import Grid
+
+if TYPE_CHECKING:
+    from longseq.attention.ops.flex.regions import RegionTable
 
 TILE = 128  # FlexAttention's default tile (queries x keys); ``tile_size`` shrinks it for short sequences
 COPY_ROWS = 32 * TILE  # query rows (in a call's order) that share one copy of its summaries
@@ -74,6 +77,9 @@ class FlexCall:
         key_regions: the regions are single keys (``summaries`` returns the keys themselves): direct keys that every
             query may use, laid out as regions so that their tiles are copied (``nsa``'s block 0, the sparse
             ``fixed`` pattern's summary cells); inspection counts them as direct keys.
+        regions: the summaries as pooled regions (``regions.RegionTable``, rows in the order ``flex_summaries`` gives
+            them), so the summaries and this call's KV are one fused operation on CUDA (``regions.summary_kv``);
+            None: the variant's ``flex_summaries`` (also the reference, and the path under key padding).
     """
 
     direct: Callable | None
@@ -90,6 +96,7 @@ class FlexCall:
     fallback: Callable | None = None
     copy_from: int = 0
     key_regions: bool = False
+    regions: RegionTable | None = None
     sequence_order: torch.Tensor | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:

@@ -36,6 +36,7 @@ from longseq.attention.ops.flex.block_masks import (
     with_mask_mod,
 )
 from longseq.attention.ops.flex.calls import FlexCall, tile_size, whole_tiles
+from longseq.attention.ops.flex.regions import fused_applies, summary_kv
 
 FLEX_RECOMPILE_LIMIT = 64  # compiled layer frames kept per process (see ``_compiled``)
 
@@ -99,10 +100,17 @@ def run_layer(attn, layout: StaticLayout | None, q: torch.Tensor, k: torch.Tenso
     for index, call in enumerate(calls):
         occupied = None
         keys, values = [], []
-        if call.direct is not None:
+        kv_len = whole_tiles(call.kv_len(L), tile)
+        fused = layout.fused[index] if layout is not None and layout.fused else None
+        if fused is not None and fused_applies(q, real is not None):  # the whole KV in one kernel on CUDA
+            kv = summary_kv(q, k, v, fused, query_scale(q))
+            keys, values = [kv[0]], [kv[1]]
+        else:
+            fused = None
+        if call.direct is not None and fused is None:
             keys.append(in_order(k, call))
             values.append(in_order(v, call))
-        if call.n_regions:
+        if call.n_regions and fused is None:
             if call.summaries is not None:
                 k_bar, v_bar, occupied = call.summaries(qs, k, v, real)
             else:
@@ -115,7 +123,6 @@ def run_layer(attn, layout: StaticLayout | None, q: torch.Tensor, k: torch.Tenso
                 k_bar, v_bar = k_bar.masked_fill(empty_region, 0.0), v_bar.masked_fill(empty_region, 0.0)
             keys.append(call.summary_kv(k_bar.to(k.dtype), L))
             values.append(call.summary_kv(v_bar.to(v.dtype), L))
-        kv_len = whole_tiles(call.kv_len(L), tile)
         also = attn.flex_call_mask(index, state)
         real_c = None if real is None else in_order_rows(real, call)
         if layout is None:
