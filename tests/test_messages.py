@@ -1,4 +1,4 @@
-"""Every error names the key the user typed: ``error: <key | file:line>: <message>`` (README: When things go wrong).
+"""Every error names the key the user typed: ``error: <key | file:line>: <message>`` (docs/troubleshooting.md).
 
 One test per message that used to print ``error: <ExceptionType>:`` (or a raw Lightning message). Each runs the
 real ``runner.train`` in-process on the composed config (they fail while building, before any step) and prints
@@ -197,7 +197,7 @@ def test_eval_composition_errors_name_the_key(capsys, monkeypatch):
                                               "needs +splt=val); the config has ckpt_path,")
 
 
-# --- bad inputs refused before the run directory exists (README: When things go wrong) --------------------------
+# --- bad inputs refused before the run directory exists (docs/troubleshooting.md) --------------------------
 # Each is injected as a new user types it. train.py's pre-flight (resume.preflight -> config.check_run_config) and
 # eval.py's (config.check_composition -> runner.check_eval_config) run before Hydra makes a run directory: exit 1,
 # one error line naming the key, and nothing under paths.log_dir.

@@ -1,4 +1,4 @@
-""""Add an attention = one file + one YAML, zero edits elsewhere" (README, Extending), kept true by a test.
+""""Add an attention = one file + one YAML, zero edits elsewhere" (docs/extending.md), kept true by a test.
 
 A throwaway padded variant, a throwaway Combiner partition (on the block grid, through ``BlockGrid``) and a
 throwaway sparse pattern are registered from a temporary module with their YAMLs in a temporary config folder;
