@@ -205,7 +205,7 @@ def test_a_model_without_the_key_cannot_exceed_the_guessing_floor():
 def test_needle_bad_values_name_the_key():
     for kw, key in ((dict(depths=[0.5, 1.2]), "task.depths"), (dict(test_depths=[]), "task.test_depths"),
                     (dict(seq_len=60), "task.seq_len"), (dict(vocab_size=300), "task.vocab_size"),
-                    (dict(num_needles=11), "task.num_needles"), (dict(jitter=0.7), "task.depth_jitter"),
+                    (dict(num_needles=35), "task.num_needles"), (dict(jitter=0.7), "task.depth_jitter"),
                     (dict(num_questions=0), "task.num_questions")):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             NeedleGenerator(**(dict(seq_len=256) | kw))
@@ -451,3 +451,182 @@ def test_a_trained_model_without_the_question_key_stays_at_the_guessing_floor(on
     floor = guess_floor(NeedleGenerator(seq_len=128))
     assert train_needle(hide_key=False) > 0.8
     assert train_needle(hide_key=True) < floor + 0.05
+
+
+# ----------------------------------------------------------------------------------------------------
+# Placements and fillers (issue 44)
+
+
+def issue33_mqar_example(gen: MqarGenerator, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    """The MQAR generator as issue 33 ran it (git history, before placements): ``start`` must reproduce it."""
+    D, L = gen.num_pairs, gen.seq_len
+    chosen = rng.choice(len(gen.key_ids), size=D, replace=False)
+    keys = gen.key_ids[chosen]
+    values = rng.choice(gen.value_ids, size=D, replace=False)
+    gaps = rng.choice(gen.space, size=D, replace=False, p=gen.gap_p)
+    asked = rng.permutation(D)
+    unused = np.ones(len(gen.key_ids), dtype=bool)
+    unused[chosen] = False
+    fillers = gen.key_ids[unused]
+    inputs = fillers[rng.integers(0, len(fillers), size=L)]
+    inputs[0:2 * D:2], inputs[1:2 * D:2] = keys, values
+    where = 2 * D + 2 * gaps
+    inputs[where] = keys[asked]
+    labels = np.full(L, IGNORE_INDEX, dtype=np.int64)
+    labels[where] = values[asked]
+    buckets = np.full(L, -1, dtype=np.int64)
+    buckets[where] = np.floor(np.log2(where - 2 * asked)).astype(np.int64)
+    return inputs, labels, buckets
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(seq_len=1024, vocab_size=1280, num_pairs=16), dict(power_a=1.0)])
+def test_mqar_start_is_the_default_and_reproduces_issue_33s_examples(kw):
+    from longseq.data.recall import example_rng
+
+    gen = MqarGenerator(**(dict(vocab_size=512, seq_len=256, num_pairs=8) | kw))
+    assert (gen.placement, gen.filler) == ("start", "unused_keys")
+    for i in range(20):
+        new = gen.example(example_rng(1, "train", i), "train")
+        old = issue33_mqar_example(gen, example_rng(1, "train", i))
+        assert all(np.array_equal(a, b) for a, b in zip(new, old))
+
+
+def asked_pairs(gen: MqarGenerator, drawn) -> list[tuple[int, int, int, int]]:
+    """(example, question position, key position, value position) of every question of ``drawn``."""
+    rows, where = np.nonzero(drawn.source >= 0)
+    return [(r, t, drawn.source[r, t] - 1, drawn.source[r, t]) for r, t in zip(rows, where)]
+
+
+@pytest.mark.parametrize("filler", ["unused_keys", "vocab"])
+def test_mqar_scattered_puts_the_pairs_anywhere_in_the_first_half_and_the_questions_after(filler):
+    """Pairs on random even slots of the first half (so a pair is not tied to a region), each key asked once in the
+    second half, the label its value, the source the value's position, the bucket the distance to the key; with key
+    fillers the answer and the key occur exactly once before the question."""
+    gen = MqarGenerator(512, 256, 8, placement="scattered", filler=filler)
+    drawn = RecallDataset(gen, 150, 0, "train").drawn()
+    key_slots = set()
+    for r, t, key_at, value_at in asked_pairs(gen, drawn):
+        x = drawn.inputs[r].tolist()
+        assert key_at % 2 == 0 and key_at < 128 <= t and t % 2 == 0
+        assert x[key_at] == x[t] and drawn.labels[r, t] == x[value_at] and gen.vocab_size // 2 <= x[value_at]
+        assert 2 ** drawn.buckets[r, t] <= t - key_at < 2 ** (drawn.buckets[r, t] + 1)
+        assert x[:t].count(x[t]) == 1  # the key occurs once before its question (vocab fillers skip the keys)
+        if filler == "unused_keys":
+            assert x[:t].count(x[value_at]) == 1
+        key_slots.add(key_at // 2)
+    assert len(key_slots) == 64  # every slot of the first half holds a pair in some example
+    assert (np.count_nonzero(drawn.labels != IGNORE_INDEX, axis=1) == 8).all()
+
+
+def test_mqar_vocab_fillers_include_values_never_the_examples_keys():
+    gen = MqarGenerator(512, 256, 8, placement="scattered", filler="vocab")
+    drawn = RecallDataset(gen, 100, 0, "train").drawn()
+    own_values = 0
+    for r in range(100):
+        pairs = {t for _, t, k, v in asked_pairs(gen, drawn) if _ == r for t in (k, v)}
+        asked = set(np.nonzero(drawn.labels[r] != IGNORE_INDEX)[0])
+        fillers = [drawn.inputs[r, t] for t in range(256) if t not in pairs and t not in asked]
+        keys = {drawn.inputs[r, t] for t in asked}
+        assert not keys & set(fillers)
+        assert np.mean(np.asarray(fillers) >= 256) > 0.3  # about half the fillers are values
+        own_values += len(set(fillers) & set(drawn.labels[r][drawn.labels[r] >= 0].tolist()))
+    assert own_values > 0  # the example's own values appear as fillers too
+
+
+def test_mqar_spread_interleaves_pairs_and_questions_each_question_after_its_pair():
+    """Each question comes after the pair it asks (its key once before it, the label its value), pairs come after
+    questions too, and the floor is 1 / (pairs before the question), between 1/D and 1."""
+    gen = MqarGenerator(512, 256, 8, power_a=1.0, placement="spread")
+    drawn = RecallDataset(gen, 200, 0, "train").drawn()
+    interleaved = 0
+    for r, t, key_at, value_at in asked_pairs(gen, drawn):
+        assert key_at < t and drawn.inputs[r, key_at] == drawn.inputs[r, t]
+        assert drawn.labels[r, t] == drawn.inputs[r, value_at]
+        earlier = [j for j in range(t) if drawn.inputs[r, j] == drawn.inputs[r, t]]
+        assert [j for j in earlier if drawn.labels[r, j] == IGNORE_INDEX] == [key_at]  # else only earlier questions
+    for r in range(200):
+        asked = np.nonzero(drawn.labels[r] != IGNORE_INDEX)[0]
+        values_at = np.nonzero(drawn.inputs[r] >= 256)[0]
+        interleaved += values_at.max() > asked.min()
+    assert interleaved > 100  # a pair after a question in most examples
+    assert 1 / 8 < guess_floor(gen) < 0.5
+    with pytest.raises(ConfigError, match=r"task\.power_a"):
+        MqarGenerator(512, 256, 8, placement="spread")
+    for key, kw in (("task.placement", dict(placement="middle")), ("task.filler", dict(filler="noise"))):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            MqarGenerator(512, 256, 8, **kw)
+
+
+@pytest.mark.parametrize("kw", [dict(placement="scattered"), dict(placement="scattered", filler="vocab"),
+                                dict(placement="spread", power_a=1.0)])
+def test_a_key_blind_rule_stays_at_the_guessing_floor_in_every_layout(kw):
+    """Without the question's key a rule can only pick a pair: the first pair's value, the latest pair's before the
+    question or the nearest value token before it answer at most the guessing floor (within 4 standard errors)."""
+    gen = MqarGenerator(512, 256, 8, **kw)
+    drawn = RecallDataset(gen, 600, 0, "test").drawn()
+    questions = asked_pairs(gen, drawn)
+    # every pair's value position: the value tokens when fillers are keys, else the asked ones (every pair is asked)
+    pairs_at = {r: list(np.nonzero(drawn.inputs[r] >= 256)[0]) if kw.get("filler") is None else
+                sorted(set(drawn.source[r][drawn.source[r] >= 0])) for r in range(600)}
+    rules = {
+        "first pair": lambda r, t: drawn.inputs[r, pairs_at[r][0]],
+        "latest pair before": lambda r, t: drawn.inputs[r, max(v for v in pairs_at[r] if v < t)],
+        "nearest value token": lambda r, t: next(drawn.inputs[r, j] for j in range(t - 1, -1, -1)
+                                                 if drawn.inputs[r, j] >= 256),
+    }
+    floor = guess_floor(gen)
+    stderr = (floor * (1 - floor) / len(questions)) ** 0.5
+    for name, rule in rules.items():
+        accuracy = np.mean([rule(r, t) == drawn.labels[r, t] for r, t, _, _ in questions])
+        assert accuracy < floor + 4 * stderr, (name, accuracy, floor)
+
+
+def test_the_short_window_covers_the_stated_share():
+    from longseq.data.recall import covering_window, distances
+
+    for kw in (dict(), dict(placement="scattered", filler="vocab")):
+        gen = MqarGenerator(512, 256, 8, **kw)
+        window = covering_window(gen, 0.15, 500)
+        found = distances(gen, 500)
+        assert window & (window - 1) == 0  # a power of two
+        assert np.mean(found < window) >= 0.15 > np.mean(found < window // 2)
+    with pytest.raises(ConfigError, match="recall_short_share"):
+        covering_window(MqarGenerator(512, 256, 8), 1.5)
+
+
+@pytest.mark.parametrize("placement", ["scattered", "spread"])
+def test_needles_scattered_or_spread_keep_their_keys_values_and_labels(placement):
+    """Uniform depths in every split (no grid: quarter buckets); spread puts each question after its needle; the
+    label is the asked needle's value and the source points at it."""
+    gen = NeedleGenerator(seq_len=512, num_needles=6, num_questions=5, placement=placement)
+    assert gen.bucket_names() == ["0-0.25", "0.25-0.5", "0.5-0.75", "0.75-1", "repeat"]
+    for split in ("train", "test"):
+        drawn = RecallDataset(gen, 80, 0, split).drawn()
+        interleaved = 0
+        for r in range(80):
+            text = bytes(drawn.inputs[r].astype(np.uint8)).decode()
+            asked = np.nonzero(drawn.labels[r] != IGNORE_INDEX)[0]
+            for t in asked:
+                v = drawn.source[r, t]
+                key = text[t - gen.key_len:t]
+                assert text[v - gen.key_len - 1:v - 1] == key and chr(drawn.labels[r, t]) == text[v]  # its needle
+                assert v < t - gen.key_len
+            if placement == "spread":
+                needles = [m.start() for m in __import__("re").finditer(r" [a-z]+:\d\.", text)]
+                interleaved += max(needles) > asked.min()
+        assert placement == "scattered" or interleaved > 10
+
+
+def test_more_needles_than_digits_take_capitals_the_haystack_never_shows():
+    from longseq.data.recall import DIGITS, HAYSTACK, NEEDLE_VALUES
+
+    gen = NeedleGenerator(seq_len=1024, num_needles=34, num_questions=16, placement="scattered")
+    assert len(gen.answer_ids) == 34 and not set(map(chr, NEEDLE_VALUES)) & set(HAYSTACK)
+    assert np.array_equal(NeedleGenerator(seq_len=256).answer_ids, DIGITS) and guess_floor(gen) == 1 / 34
+    drawn = RecallDataset(gen, 20, 0, "train").drawn()
+    for r in range(20):
+        asked = drawn.labels[r] != IGNORE_INDEX
+        values = {drawn.inputs[r, v] for v in drawn.source[r, asked]}
+        assert values <= set(NEEDLE_VALUES.tolist())
+    with pytest.raises(ConfigError, match=r"task\.num_needles"):
+        NeedleGenerator(seq_len=1024, num_needles=35)

@@ -27,60 +27,72 @@ def arms() -> list[str]:
 # Configs
 
 
+STUDY_ARMS = {"full", "local_long", "local_short", "fixed", "axial", "combiner_fixed", "combiner_axial",
+              "combiner_mixture", "combiner_select", "moba", "nsa", "linear", "combiner_fixed_full",
+              "full_combiner_fixed", "combiner_fixed_full_rezero", "full_combiner_fixed_rezero"}
+HYBRIDS = {"combiner_fixed_full": (["combiner_fixed", "full"], False),
+           "full_combiner_fixed": (["full", "combiner_fixed"], False),
+           "combiner_fixed_full_rezero": (["combiner_fixed", "full"], True),
+           "full_combiner_fixed_rezero": (["full", "combiner_fixed"], True)}
+
+
 def test_every_arm_composes_and_builds_at_both_lengths(tmp_path):
-    """Each arm of conf/recall/arm builds the study's model at L = 256 (recall/mqar) and 1,024 (recall/mqar_long):
-    its attention, the controls' windows, the hybrid's layers; every arm is in both MQAR grids."""
-    expected = {"full", "local_long", "local_short", "fixed", "axial", "combiner_fixed", "combiner_axial",
-                "combiner_mixture", "combiner_select", "moba", "nsa", "linear", "combiner_fixed_full"}
-    assert set(arms()) == expected
-    for stage in ("recall/mqar", "recall/mqar_long"):
-        assert set(study.sweep_params(stage)["recall/arm"]) == expected
-    for stage in ("recall/mqar_uniform", "recall/needle", "recall/mqar_lr"):
-        assert set(study.sweep_params(stage)["recall/arm"]) < expected
-    for experiment, length in (("recall/mqar", 256), ("recall/mqar_long", 1024)):
+    """Each arm of conf/recall/arm builds the study's model at L = 256 and 1,024 with the pairs scattered: its
+    attention, the controls' windows (the short one covering recall_short_share of the questions), the hybrids' layers
+    in both orders with and without ReZero; every arm is in both scattered grids."""
+    from longseq.data.recall import MqarGenerator, covering_window
+
+    assert set(arms()) == STUDY_ARMS
+    for stage in ("recall/mqar_scattered", "recall/mqar_scattered_long"):
+        assert set(study.sweep_params(stage)["recall/arm"]) == STUDY_ARMS
+    for stage in ("recall/mqar", "recall/mqar_long", "recall/mqar_uniform", "recall/needle", "recall/needle_long"):
+        assert set(study.sweep_params(stage)["recall/arm"]) < STUDY_ARMS
+    for experiment, length in (("recall/mqar_scattered", 256), ("recall/mqar_scattered_long", 1024)):
         for arm in arms():
             cfg = compose_config([f"experiment={experiment}", f"recall/arm={arm}"], tmp_path, fast=False)
             assert cfg.recall_arm == arm and cfg.task.seq_len == length and cfg.task.data.seed == cfg.seed
+            assert (cfg.task.placement, cfg.task.filler) == ("scattered", "vocab")
             net = build_module(cfg).net
-            layers = net.layer_names
-            if arm == "combiner_fixed_full":
-                assert layers == ["combiner_fixed", "full"]
+            if arm in HYBRIDS:
+                layers, gain = HYBRIDS[arm]
+                assert net.layer_names == layers and all((b.gain is not None) == gain for b in net.blocks)
             else:
-                assert layers == [cfg.attention.name] * 2
+                assert net.layer_names == [cfg.attention.name] * 2 and net.blocks[0].gain is None
                 assert cfg.attention.name == arm.removesuffix("_long").removesuffix("_short")
             if arm.startswith("local"):
                 window = net.blocks[0].attn.attention.window
-                assert window == (length if arm == "local_long" else cfg.task.block_size)
+                generator = MqarGenerator(**OmegaConf.to_container(cfg.task.module.generator, resolve=True))
+                assert window == (length if arm == "local_long" else covering_window(generator, cfg.recall_short_share))
             # the short control trains to the cap; every other arm may stop early from min_steps on
             assert (cfg.trainer.min_steps == cfg.trainer.max_steps) == (arm == "local_short")
-    wide = compose_config(["experiment=recall/mqar", "recall/arm=local_short", "task.num_pairs=32"], tmp_path,
-                          fast=False)
-    assert build_module(wide).net.blocks[0].attn.attention.window == 32  # the pair count, above block_size (16)
+    start = compose_config(["experiment=recall/mqar", "recall/arm=local_short"], tmp_path, fast=False)
+    assert build_module(start).net.blocks[0].attn.attention.window == 16  # issue 33's window at the start, D = 8
 
 
 def test_the_study_trains_to_a_plateau_and_seeds_the_data(tmp_path):
-    """Early stopping on val/acc (patience, threshold) under a step cap with a floor of min_steps, for MQAR and the
-    needle alike; the data seed follows the seed; the learning rate comes from recall_lr (the rule otherwise)."""
-    mqar = compose_config(["experiment=recall/mqar", "seed=2"], tmp_path, fast=False)
-    needle = compose_config(["experiment=recall/needle"], tmp_path, fast=False)
+    """Early stopping on val/acc (patience from min_steps, threshold) under a step cap, for MQAR and the needle alike;
+    the data seed follows the seed; the learning rate comes from recall_lr (the rule otherwise)."""
+    mqar = compose_config(["experiment=recall/mqar_scattered", "seed=2"], tmp_path, fast=False)
+    needle = compose_config(["experiment=recall/needle_long"], tmp_path, fast=False)
     for cfg in (mqar, needle):
         stop = cfg.callbacks.early_stopping
         assert (stop.monitor, stop.mode) == ("val/acc", "max")
-        assert stop._target_ == "lightning.pytorch.callbacks.EarlyStopping"
+        assert stop._target_ == "longseq.callbacks.early_stopping.PatienceFromMinSteps"
         assert 0 < cfg.trainer.min_steps < cfg.trainer.max_steps
         assert cfg.trainer.val_check_interval == cfg.recall_val_every
         assert cfg.task.data.num_train >= cfg.trainer.max_steps * cfg.task.batch_size  # no example seen twice
     assert mqar.task.data.seed == 2 and mqar.optimizer.lr == mqar.recall_lr.rule
+    assert (needle.task.seq_len, needle.task.num_needles, needle.task.placement) == (1024, 34, "scattered")
     searched = compose_config(["experiment=recall/mqar", "+recall_lr.full=0.01"], tmp_path, fast=False)
     assert searched.optimizer.lr == 0.01
     for key in ("model", "optimizer", "scheduler", "recall_lr", "callbacks"):
-        assert mqar[key] == needle[key]
+        assert mqar[key] == compose_config(["experiment=recall/needle"], tmp_path, fast=False)[key]
 
 
 def test_early_stopping_ends_a_run_at_its_threshold_not_at_the_cap(make_cfg, tmp_path):
-    """A threshold every accuracy exceeds stops the run at its first validation past min_steps (not at the first
-    validation: min_steps holds it; not at the cap: the whole run is one epoch, and Lightning's default min_epochs=1
-    would keep it going, hence trainer.min_epochs=0)."""
+    """A threshold every accuracy exceeds stops the run at its first validation at min_steps (not before: the rule
+    judges from min_steps on; not at the cap: the whole run is one epoch, and Lightning's default min_epochs=1 would
+    keep it going, hence trainer.min_epochs=0)."""
     from longseq.runner import train
 
     cfg = make_cfg(["experiment=recall/mqar", "task.seq_len=64", "task.num_pairs=4", "task.vocab_size=128",
@@ -96,18 +108,28 @@ def test_early_stopping_ends_a_run_at_its_threshold_not_at_the_cap(make_cfg, tmp
 # ----------------------------------------------------------------------------------------------------
 # The driver
 
+SEARCH = {"experiment": "recall/mqar_scattered", "only": "task.num_pairs=8", "search": [3e-4, 1e-3, 3e-3]}
 
-def test_jobs_run_in_priority_order_and_directory_names_hold_no_slash(tmp_path):
-    controls = [*PLAN["controls"]["positive"], PLAN["controls"]["short"]]
-    jobs = study.stage_jobs("recall/mqar", tmp_path, controls)
-    params = study.sweep_params("recall/mqar")
-    assert len(jobs) == len(set(j.directory for j in jobs)) == len(params["recall/arm"]) * len(
-        params["task.num_pairs"]) * len(params["task.power_a"]) * len(params["seed"])
-    assert all("/" not in j.name and j.directory.parent == tmp_path / "mqar" for j in jobs)
-    seeds = [int(j.values["seed"]) for j in jobs]
-    assert seeds == sorted(seeds)  # every setting's seed 1 before any seed 2
-    first = [j.arm for j in jobs[:len(params["recall/arm"])]]
-    assert first[:3] == controls and sorted(first) == sorted(params["recall/arm"])  # controls lead each setting
+
+def test_a_searched_stage_runs_every_rate_on_seed_1_and_the_rest_at_the_chosen_one(tmp_path):
+    """Seed 1 of every arm but the controls that repeat full at each searched rate; the other seeds (and those
+    controls) wait for the table; directory names carry the rate and no slash."""
+    stage = study.stage_jobs(SEARCH, tmp_path, PLAN["one_seed"], PLAN["lr_from"])
+    searched = STUDY_ARMS - set(PLAN["lr_from"])
+    rates = ("3e-4", "1e-3", "3e-3")
+    assert {(j.arm, j.lr) for j in stage.jobs if j.search} == {(a, r) for a in searched for r in rates}
+    assert all(j.seed == 1 for j in stage.jobs if j.search)
+    rest = [j for j in stage.jobs if not j.search]
+    assert all(j.lr is None and j.status() == study.WAITING and j.directory is None for j in rest)
+    assert sorted((j.arm, j.seed) for j in rest if j.arm in PLAN["lr_from"]) == [
+        ("local_long", 1), ("local_short", 1), ("local_short", 2), ("local_short", 3)]
+    assert len(rest) == 2 * len(searched) + 4 and {j.values["task.num_pairs"] for j in stage.jobs} == {"8"}
+    names = [j.name for j in stage.jobs if j.search]
+    assert len(set(names)) == len(names) and all("/" not in n and ",lr=" in n for n in names)
+    ordered = study.control_first(rest, [*PLAN["controls"]["positive"], PLAN["controls"]["short"]])
+    assert [(j.arm, j.seed) for j in ordered[:4]] == [("local_long", 1), ("local_short", 1), ("full", 2),
+                                                      ("local_short", 2)]  # seed 1's full is a search job
+    assert [j.seed for j in ordered] == sorted(j.seed for j in ordered)
 
 
 def record(job: study.Job, status: str, acc: float | None = None, loss: float | None = None,
@@ -117,42 +139,82 @@ def record(job: study.Job, status: str, acc: float | None = None, loss: float | 
     (job.directory / "metrics.json").write_text(json.dumps({"status": status, "metrics": metrics, "error": error}))
 
 
-def test_status_lr_pick_and_the_rule(tmp_path, capsys):
-    """A completed job is skipped, a stopped one re-run, a failed one kept; per arm the rule's rate wins where it is
-    within the tolerance of the best val/acc_best, else the best (ties: the lower val/loss); the rule holds only when
-    its rate is within the tolerance of every searched arm's best."""
-    jobs = study.stage_jobs("recall/mqar_lr", tmp_path)
-    assert len(jobs) == 4 * 4 and {j.values["optimizer.lr"] for j in jobs} == {"3e-4", "1e-3", "3e-3", "1e-2"}
-    by = {(j.arm, j.values["optimizer.lr"]): j for j in jobs}
-    record(by["full", "1e-3"], "completed", 0.99, 0.05)
-    record(by["full", "3e-3"], "completed", 0.99, 0.03)  # the same accuracy, a lower loss
-    record(by["full", "1e-2"], "completed", 0.40, 0.01)
+KEYS = ["task.seq_len", "task.num_pairs"]
+
+
+def test_the_rate_of_an_arm_and_setting_is_its_best_search_run(tmp_path):
+    """The best val/acc_best; rates within the tolerance tie, the lower val/loss wins; an arm's rate is chosen only
+    once its search has ended (a failed job is an end, a stopped one is run again); the chosen run is the seed-1 result
+    and the other seeds (and full's controls) take its rate."""
+    stage = study.stage_jobs(SEARCH, tmp_path, PLAN["one_seed"], PLAN["lr_from"])
+    by = {(j.arm, j.lr): j for j in stage.jobs if j.search}
+    record(by["full", "3e-4"], "completed", 0.990, 0.05)
+    record(by["full", "1e-3"], "completed", 0.993, 0.03)  # within 0.005 of the best: the lowest loss wins
+    record(by["full", "3e-3"], "completed", 0.994, 0.04)
     record(by["fixed", "3e-4"], "failed", error="ValueError: diverged")
-    record(by["fixed", "1e-3"], "failed", error="SystemExit: 1")  # Ctrl-C during fit, as Lightning reports it
-    record(by["fixed", "3e-3"], "completed", 0.10, 4.0)
-    record(by["fixed", "1e-2"], "completed", 0.20, 3.0)
-    assert study.pick_lrs(jobs, 5e-3, 0.0) == {"full": 3e-3, "fixed": 1e-2}  # the best; ties: the lower loss
-    record(by["full", "3e-4"], "completed", 0.995, 0.02)
-    assert study.pick_lrs(jobs, 3e-3, 0.02) == {"full": 3e-3, "fixed": 1e-2}  # 0.99 at the rule: within 0.02
-    assert study.pick_lrs(jobs, 3e-3, 0.0)["full"] == 3e-4
-    assert study.search_rule(jobs) == 3e-3
+    record(by["fixed", "1e-3"], "failed", error="SystemExit: 1")  # Ctrl-C during fit: run again, not an end
+    record(by["fixed", "3e-3"], "completed", 0.20, 3.0)
+    table = study.rate_table([stage], KEYS, PLAN["lr_tolerance"])
+    setting = ("256", "8")
+    assert table[("full", setting)]["lr"] == "1e-3" and ("fixed", setting) not in table
     assert [by["fixed", lr].status() for lr in ("3e-4", "1e-3", "3e-3")] == ["failed", "stopped", "completed"]
-    holds, lines = study.rule_verdict(jobs, 3e-3, 0.02)
-    assert not holds and any("fixed" in line and "does not hold" in line for line in lines)
-    assert study.rule_verdict(jobs, 3e-3, 0.2)[0]
-    assert study.print_status({"recall/mqar_lr": jobs}) == 16 - 6
-    assert "failed: " in capsys.readouterr().out
+    by["fixed", "1e-3"].directory.joinpath("metrics.json").unlink()
+    record_dir = by["fixed", "1e-3"].directory
+    record_dir.rmdir()
+    record(by["fixed", "1e-3"], "completed", 0.12, 3.5)
+    table = study.rate_table([stage], KEYS, PLAN["lr_tolerance"])
+    assert table[("fixed", setting)]["lr"] == "3e-3" and table[("fixed", setting)]["results"]["1e-3"] == [0.12, 3.5]
+    assert study.pick_rate({"1e-3": (0.5, 1.0), "3e-3": (0.9, 2.0)}, 0.0) == "3e-3"
+    study.assign_rates([stage], table, KEYS, PLAN["lr_from"], [])
+    rates = {(j.arm, j.seed): j.lr for j in stage.jobs if not j.search}
+    assert rates["full", 2] == "1e-3" and rates["local_short", 3] == "1e-3" and rates["fixed", 2] == "3e-3"
+    assert rates["combiner_mixture", 2] is None  # its search has not run
+    reported = study.reported_jobs([stage], table, KEYS)
+    assert by["full", "1e-3"] in reported and by["full", "3e-3"] not in reported
+    study.write_rate_table(tmp_path / study.LR_TABLE, table, KEYS)
+    keys, rows = study.read_rate_table(tmp_path / study.LR_TABLE)
+    assert keys == KEYS and {(r["arm"], r["lr"]) for r in rows} == {("full", "1e-3"), ("fixed", "3e-3")}
+
+
+def test_a_stage_without_a_search_takes_the_table_of_its_setting(tmp_path):
+    """The start-placement stage takes the scattered search's rates of the same L and D; the needle takes MQAR's
+    of the same L from another task's table file."""
+    table = {("full", ("256", "8")): {"lr": "1e-3"}, ("full", ("1024", "16")): {"lr": "3e-4"}}
+    start = study.stage_jobs({"experiment": "recall/mqar", "only": "task.num_pairs=8,full,local_short"}, tmp_path,
+                             PLAN["one_seed"], PLAN["lr_from"])
+    study.assign_rates([start], table, KEYS, PLAN["lr_from"], [])
+    assert {j.lr for j in start.jobs} == {"1e-3"} and len(start.jobs) == 6
+    path = tmp_path / "mqar_table.yaml"
+    study.write_rate_table(path, table, KEYS)
+    needle = study.stage_jobs({"experiment": "recall/needle_long", "only": "full,local_long"}, tmp_path,
+                              PLAN["one_seed"], PLAN["lr_from"])
+    study.assign_rates([needle], {}, ["task.seq_len"], PLAN["lr_from"], [study.read_rate_table(path)])
+    assert {j.lr for j in needle.jobs} == {"3e-4"} and len(needle.jobs) == 4  # local_long: one seed
+
+
+def test_status_counts_and_the_gate_on_full(tmp_path, capsys):
+    """--status counts completed / failed / waiting jobs and names the failed; a setting where full reached the
+    pass mark at none of its rates is not trained further."""
+    stage = study.stage_jobs(SEARCH, tmp_path, PLAN["one_seed"], PLAN["lr_from"])
+    full = [j for j in stage.jobs if j.search and j.arm == "full"]
+    for job, acc in zip(full, (0.3, 0.5, 0.6)):
+        record(job, "completed", acc, 1.0)
+    assert study.full_failed_search(stage.jobs, "full", PLAN["controls"]["pass"])
+    record([j for j in stage.jobs if j.search and j.arm == "nsa"][0], "failed", error="ValueError: x")
+    assert study.print_status([stage]) == len(stage.jobs) - 3
+    out = capsys.readouterr().out
+    assert "failed: " in out and f"{sum(not j.search for j in stage.jobs)} {study.WAITING}" in out
+    fresh = study.stage_jobs(SEARCH, tmp_path / "other", PLAN["one_seed"], PLAN["lr_from"])
+    assert not study.full_failed_search(fresh.jobs, "full", PLAN["controls"]["pass"])  # not run yet: no verdict
 
 
 def test_only_selects_arms_and_swept_settings(tmp_path):
-    jobs = study.stage_jobs("recall/needle", tmp_path)
+    jobs = study.stage_jobs("recall/needle", tmp_path).jobs
     kept = [j for j in jobs if study.selected(j, "full,local_short,task.seq_len=256,seed=1")]
     assert {(j.arm, j.values["task.seq_len"], j.values["seed"]) for j in kept} == {
         ("full", "256", "1"), ("local_short", "256", "1")}
-    lr_jobs = study.stage_jobs("recall/mqar_lr", tmp_path)
-    assert not [j for j in lr_jobs if study.selected(j, "full,optimizer.lr=skip")]  # a value no job has
-    assert len([j for j in jobs if study.selected(j, "full,optimizer.lr=skip")]) == len(
-        study.sweep_params("recall/needle")["seed"]) * len(study.sweep_params("recall/needle")["task.seq_len"])
+    lr_jobs = study.stage_jobs("recall/mqar_lr", tmp_path).jobs
+    assert {j.lr for j in lr_jobs} == {"3e-4", "1e-3", "3e-3", "1e-2"}  # a stage that sweeps the rate itself
 
 
 def test_the_budget_stops_new_jobs_and_adds_up_across_runs_of_the_driver(tmp_path):
@@ -161,17 +223,26 @@ def test_the_budget_stops_new_jobs_and_adds_up_across_runs_of_the_driver(tmp_pat
     spent.save()
     again = study.Budget(tmp_path, hours=1.0)
     assert again.spent_s() >= 3600.0 and again.left_s() <= 0
-    job = study.stage_jobs("recall/mqar_lr", tmp_path)[0]
+    job = next(j for j in study.stage_jobs(SEARCH, tmp_path).jobs if j.search)
     assert study.run_job(job, 1, tmp_path / "console", [], again) == "over budget" and not job.directory.exists()
 
 
-def test_the_plan_adds_up_the_budget_of_every_stage(capsys, tmp_path):
-    stages = {s: study.stage_jobs(s, tmp_path) for s in PLAN["tasks"]["mqar"]["stages"]}
-    hours = study.print_plan("mqar", stages, PLAN)
-    costs = PLAN["tasks"]["mqar"]["job_seconds"]
-    low = sum(len(j) for j in stages.values()) * min(min(c.values()) for c in costs.values()) / 3600 / PLAN["jobs"]
-    assert hours >= low > 0
-    assert f"about {hours:.2f} h in all" in capsys.readouterr().out
+def test_the_plan_fits_its_budget_and_prints_every_stage(capsys, tmp_path):
+    """The stages run fit the 6 h budget at the plan's estimates (each at least its jobs' start-up); the cut stages
+    are listed with their reasons and estimates; the searched stages show their search jobs."""
+    stages = study.task_stages("mqar", tmp_path, PLAN)
+    run, cut = study.print_plan("mqar", stages, PLAN)
+    out = capsys.readouterr().out
+    budget = PLAN["tasks"]["mqar"]["budget_hours"]
+    assert 0 < run <= budget and cut > 0
+    kept = [s for s in stages if not s.cut]
+    floor = sum(len(s.jobs) for s in kept) * PLAN["estimate"]["startup_s"] / 3600 / PLAN["jobs"]
+    assert run > floor
+    assert f"about {run:.2f} h at {PLAN['jobs']} at a time" in out and "cut: " in out
+    for stage in stages:
+        assert stage.experiment in out
+    assert {s.experiment for s in kept} == {"recall/mqar_scattered", "recall/mqar_scattered_long"}
+    assert all(s.search for s in kept) and len({j.arm for s in kept for j in s.jobs}) == len(STUDY_ARMS)
 
 
 def test_a_second_driver_on_the_same_study_is_refused(tmp_path):
@@ -188,14 +259,6 @@ def test_a_second_driver_on_the_same_study_is_refused(tmp_path):
     finally:
         held.close()
     study.hold_study_lock(tmp_path).close()  # free again once the first has ended
-
-
-def test_the_needle_takes_the_mqar_search_table(tmp_path, monkeypatch):
-    table = tmp_path / "lr_table.yaml"
-    plan = {"tasks": {"needle": {"lr_table": str(table)}}}
-    assert study.lr_table_for("needle", tmp_path, {}, plan) == {}  # no search yet: conf/recall/study.yaml's rates
-    table.write_text("recall_lr:\n  full: 0.01\n  local_short: 0.003\n")
-    assert study.lr_table_for("needle", tmp_path, {}, plan) == {"full": 0.01, "local_short": 0.003}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -252,7 +315,7 @@ def test_the_table_carries_the_floor_and_the_controls_and_intervals(tmp_path):
     assert "| guessing floor | 0.250 |" in lines
     controls = next(line for line in lines if line.startswith("| controls"))
     assert "pass: full 0.988 ≥ 0.95; local_long 0.980 ≥ 0.95" in controls
-    assert "local_short (window 4): inside 0.970 ≥ 0.9" in controls
+    assert "local_short (window 4, 0.56 of the questions inside): inside 0.970 ≥ 0.9" in controls
     assert "beyond 16 tokens 0.200 ≤ floor + 0.05" in controls
     answers = rr.answers_table(runs, ["full", "combiner_fixed"])
     assert "| combiner_fixed | 0.70 / 0.250 |" in answers and "| guessing floor (precision) | 0.250 |" in answers
@@ -317,21 +380,82 @@ def test_figures_have_a_panel_per_setting_and_the_floor(tmp_path):
         assert width > 1.5 * height, name  # two settings side by side
 
 
-@pytest.mark.slow
-def test_the_driver_runs_a_tiny_study_end_to_end_and_resumes(tmp_path):
-    """Two short jobs per stage through train.py, the report with its tables and figures; a second run of the
-    driver skips what is done."""
-    args = ["mqar", "--root", str(tmp_path), "--only", "full,local_long,local_short,seed=1,task.num_pairs=8,"
-            "task.num_pairs=16,task.power_a=0.01,optimizer.lr=3e-3", "trainer.max_steps=6", "trainer.min_steps=2",
-            "recall_val_every=3", "task.data.num_val=16", "task.data.num_test=16", "--figures", str(tmp_path / "docs")]
-    assert study.main(args) == 0
+def test_seeds_that_disagree_are_shown_one_by_one_with_median_and_range(tmp_path):
+    """linear at L = 1,024 in issue 33 (0.083, 0.831, 0.007): no t interval over a split set."""
+    trained_setting(tmp_path)
+    for seed, acc in ((1, 0.083), (2, 0.831), (3, 0.007)):
+        fake_run(tmp_path, "linear", seed, acc)
+    runs = load(tmp_path)
+    table = rr.main_table(runs, PLAN["controls"], "distance", ["full", "linear"], disagree=PLAN["seeds_disagree"])
+    assert ("| linear | median 0.083, range 0.007–0.831 (seeds disagree; seed 1: 0.083, seed 2: 0.831, seed 3: "
+            "0.007) |") in table
+    assert "| full | 0.988 ± " in table  # seeds that agree keep their interval
+
+
+def test_the_structural_column_sits_beside_the_accuracy_and_the_earlier_study_beside_this_one(tmp_path):
+    """Each setting's accuracy column is followed by its alone / direct column; runs of an earlier study (its folders,
+    `beside`) are read as their own columns, labelled with its recipe and the placement they ran (start)."""
+    trained_setting(tmp_path / "new", L=64, D=4)
+    trained_setting(tmp_path / "old" / "mqar", L=64, D=4)
+    settings = ["task.seq_len", "task.num_pairs", "task.placement"]
+    runs = rr.StudyRuns.from_directories(sorted((tmp_path / "new").iterdir()), settings, [tmp_path / "old" / "mqar"])
+    assert set(runs.frame[rr.RECIPE]) == {"", rr.BESIDE} and set(runs.frame["task.placement"]) == {"start"}
+    structures = {("combiner_fixed", s): ("0.00 / 0.00" if s[-1] else "1.00 / 0.00") for s in runs.groups()}
+    table = rr.main_table(runs, PLAN["controls"], "distance", ["full", "combiner_fixed"], structures)
+    header = table.splitlines()[0]
+    assert header == ("| arm | L = 64, D = 4, start | alone / direct | L = 64, D = 4, start, issue 33's recipe | "
+                      "alone / direct |")
+    assert "| combiner_fixed | 0.220 ± " in table and " | 1.00 / 0.00 | 0.220 ± " in table
+    assert table.count("| guessing floor | 0.250 |  | 0.250 |") == 1
+
+
+def test_the_rate_table_and_the_post_hoc_changes_are_reported(tmp_path):
+    table = {("full", ("256", "8")): {"lr": "1e-3", "results": {"3e-4": [0.98, 0.1], "1e-3": [0.99, 0.05]}},
+             ("nsa", ("1024", "16")): {"lr": "3e-4", "results": {"3e-4": [0.7, 1.0]}}}
+    text = rr.rate_search_table(table, KEYS, ["full", "nsa"])
+    assert text.splitlines()[0] == "| arm | L = 256, D = 8 | L = 1024, D = 16 |"
+    assert "| full | 3e-4: 0.980, **1e-3: 0.990** |  |" in text and "| nsa |  | **3e-4: 0.700** |" in text
+    assert "None recorded" in rr.post_hoc_section([])
+    assert rr.post_hoc_section(["a", "b"]) == "1. a\n2. b"
+
+
+def test_the_report_of_a_study_holds_every_section(tmp_path, monkeypatch):
+    trained_setting(tmp_path / "runs", L=64, D=4)
+    runs = load(tmp_path / "runs")
+    monkeypatch.setattr(rr, "structure_cells", lambda study, cache=None: {})
+    plan = dict(PLAN, post_hoc_changes={"mqar": ["the short control's window rule changed after seed 1 (runs ...)"]})
+    rr.write_study_report("mqar", tmp_path, runs, plan, ["full", "combiner_fixed"], {}, ["task.seq_len",
+                                                                                         "task.num_pairs"], [], None)
     report = (tmp_path / "report.md").read_text()
-    assert "guessing floor" in report and "| controls |" in report and "Learning-rate search" in report
+    for section in ("## L = 64, D = 4", "## Where the answers come from", "## Steps trained",
+                    "## Learning rate per arm and setting", "## Changes made after jobs had run",
+                    "1. the short control's window rule changed"):
+        assert section in report
+    assert {p.name for p in tmp_path.iterdir()} >= {"accuracy.csv", "curves.csv", "by_distance.csv", "accuracy.png"}
+
+
+@pytest.mark.slow
+def test_the_driver_runs_a_tiny_study_end_to_end_and_resumes(tmp_path, capsys):
+    """full's search (three rates of 6 steps) through train.py: full learns nothing in 6 steps, so the setting's
+    controls are not run (the gate); the rate table, the report with its tables, structural column and figures; a
+    second run of the driver runs nothing again."""
+    args = ["mqar", "--root", str(tmp_path), "--only", "full,local_long,local_short,seed=1,task.num_pairs=8",
+            "trainer.max_steps=6", "trainer.min_steps=2", "recall_val_every=3", "task.data.num_val=16",
+            "task.data.num_test=16", "--figures", str(tmp_path / "docs")]
+    assert study.main(args) == 0
+    assert "full reached 0.95 at none of its searched rates; the setting's other jobs are skipped" in \
+        capsys.readouterr().out
+    report = (tmp_path / "report.md").read_text()
+    assert "guessing floor" in report and "| controls | FAIL: " in report and "**" in report  # the chosen rate
+    assert "alone / direct" in report and "NA / 1.00" in report  # full: no regions, every key direct
     assert {p.name for p in (tmp_path / "docs").iterdir()} == {
         "recall_mqar_accuracy.png", "recall_mqar_by_distance.png", "recall_mqar_curves.png"}
-    seconds = (tmp_path / "mqar" / study.JOB_SECONDS).read_text().splitlines()
+    keys, rows = study.read_rate_table(tmp_path / study.LR_TABLE)
+    assert [r["arm"] for r in rows] == ["full"] and len(rows[0]["results"]) == 3
+    seconds = (tmp_path / "mqar_scattered" / study.JOB_SECONDS).read_text().splitlines()
+    assert len(seconds) == 3 and not list((tmp_path / "mqar_scattered").glob("arm=local_*"))
     assert study.main(args) == 0  # resumed: nothing left to run
-    assert (tmp_path / "mqar" / study.JOB_SECONDS).read_text().splitlines() == seconds
+    assert (tmp_path / "mqar_scattered" / study.JOB_SECONDS).read_text().splitlines() == seconds
 
 
 def test_sigterm_to_the_driver_stops_its_running_jobs():

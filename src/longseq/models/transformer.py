@@ -16,6 +16,7 @@ from longseq.models.layer_plan import layer_errors, layer_specs
 from longseq.utils.errors import ConfigError
 
 POS_EMBEDDINGS = ("learned", "sinusoidal", "image", "rotary", "none")
+RESIDUAL_GAINS = ("none", "zero")  # model.residual_gain: zero = ReZero (Bachlechner et al. 2021)
 
 
 def check_positive_int(key: str, value: Any) -> int:
@@ -164,12 +165,19 @@ def check_short_conv(value: Any) -> int | None:
 class Block(nn.Module):
     """Pre-norm residual block: ``x + drop(attn(conv(LN(x))))`` then ``x + MLP(LN(x))``; ``conv`` is the
     optional ``ShortConv`` (``model.short_conv``), applied to the normed input of the attention sublayer, so
-    q, k and v all see the same short causal mix."""
+    q, k and v all see the same short causal mix.
+
+    ``residual_gain="zero"`` (ReZero, ``model.residual_gain``): each branch is scaled by its own learned scalar
+    (``gain``, (2,): attention, MLP), starting at 0, so the block starts as the identity on the residual stream and
+    each layer's contribution grows only as far as training takes it. For mixed stacks: in a two-layer hybrid the
+    trained Combiner layer 0 wrote outputs six times the embedding's norm, which drowned the token identity the full
+    layer 1 needed (issue 44)."""
 
     def __init__(self, d_model: int, n_heads: int, mlp_ratio: float, dropout: float, attn_dropout: float,
                  seq_len: int, attention: Mapping[str, Any], short_conv: int | None = None,
-                 rotary: bool = False) -> None:
+                 rotary: bool = False, residual_gain: str = "none") -> None:
         super().__init__()
+        self.gain = nn.Parameter(torch.zeros(2)) if residual_gain == "zero" else None
         self.norm1 = nn.LayerNorm(d_model)
         self.short_conv = ShortConv(d_model, short_conv) if short_conv else None
         self.attn = MultiHeadAttention(d_model, n_heads, seq_len, attention, attn_dropout, rotary)
@@ -184,8 +192,12 @@ class Block(nn.Module):
         h = self.norm1(x)
         if self.short_conv is not None:
             h = self.short_conv(h)
-        x = x + self.drop(self.attn(h, key_padding_mask))
-        return x + self.drop(self.mlp(self.norm2(x)))
+        x = x + self.scaled(self.drop(self.attn(h, key_padding_mask)), 0)
+        return x + self.scaled(self.drop(self.mlp(self.norm2(x))), 1)
+
+    def scaled(self, branch: torch.Tensor, which: int) -> torch.Tensor:
+        """A residual branch times its ``gain`` (0: attention, 1: MLP), or as it is without one."""
+        return branch if self.gain is None else self.gain[which] * branch
 
     def decode(self, x: torch.Tensor, state: Any, step: bool, conv_cache: torch.Tensor | None = None) -> torch.Tensor:
         """``forward`` for the next positions of ``x`` (B, T, d_model) through the layer's attention ``state``
@@ -193,8 +205,8 @@ class Block(nn.Module):
         h = self.norm1(x)
         if self.short_conv is not None:
             h = self.short_conv.decode(h, conv_cache)
-        x = x + self.attn.decode(h, state, step)
-        return x + self.mlp(self.norm2(x))
+        x = x + self.scaled(self.attn.decode(h, state, step), 0)
+        return x + self.scaled(self.mlp(self.norm2(x)), 1)
 
 
 def sinusoidal_table(length: int, dim: int) -> torch.Tensor:
@@ -270,6 +282,8 @@ class Transformer(nn.Module):
         out_dim: head width (defaults to ``vocab_size``: next-token logits).
         short_conv: kernel size of a short causal depthwise convolution before each attention (``ShortConv``;
             null / 0: off).
+        residual_gain: ``none`` or ``zero`` (ReZero: every block's branches scaled by learned gains starting at 0,
+            ``Block``; at initialization the backbone's output is the head of the normed embeddings).
 
     ``forward(tokens (B, L) long) -> (B, L, out_dim)``; ``features`` returns the final-norm states.
 
@@ -284,10 +298,12 @@ class Transformer(nn.Module):
                  attn_dropout: float = 0.0, pos_emb: str = "learned",
                  image_shape: tuple[int, int, int] | None = None, out_dim: int | None = None,
                  short_conv: int | None = None, layer_attention: Any = None,
-                 attention_presets: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+                 attention_presets: Mapping[str, Mapping[str, Any]] | None = None, residual_gain: str = "none") -> None:
         super().__init__()
         check_backbone_sizes(vocab_size, seq_len, n_layers, d_model, n_heads, mlp_ratio, dropout, attn_dropout)
         short_conv = check_short_conv(short_conv)
+        if residual_gain not in RESIDUAL_GAINS:
+            raise ConfigError("model.residual_gain", f"{residual_gain!r} is not valid; choose one of {RESIDUAL_GAINS}")
         if pos_emb not in POS_EMBEDDINGS:
             raise ConfigError("model.pos_emb", f"{pos_emb!r} is not valid; choose one of {POS_EMBEDDINGS}")
         self.seq_len = seq_len
@@ -308,7 +324,7 @@ class Transformer(nn.Module):
         for layer, spec in enumerate(layer_specs(attention, layer_attention, n_layers, attention_presets)):
             with layer_errors(layer, spec, planned=spec != dict(attention)):
                 self.blocks.append(Block(d_model, n_heads, mlp_ratio, dropout, attn_dropout, seq_len, spec, short_conv,
-                                         rotary=pos_emb == "rotary"))
+                                         rotary=pos_emb == "rotary", residual_gain=residual_gain))
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, out_dim or vocab_size)
 

@@ -1,33 +1,41 @@
-"""``python -m longseq.report.recall_study mqar|needle`` — run the recall study job by job, resumably, within its
-wall-time budget, then write its tables and figures.
+"""``python -m longseq.report.recall_study mqar|mqar_more|needle`` — run the recall study job by job, resumably,
+within its wall-time budget, then write its tables and figures.
 
-The plan is ``conf/recall/plan.yaml``: the stages of each task (experiments whose ``hydra.sweeper.params`` are the
-jobs: the one home of the sweep, the same configs ``python train.py -m experiment=recall/<name>`` runs as a plain
-multirun), the controls every setting must pass, the learning-rate rule and the budget:
+The plan is ``conf/recall/plan.yaml``: per task its stages (experiments whose ``hydra.sweeper.params`` are the jobs:
+the one home of the sweep, the same configs ``python train.py -m experiment=recall/<name>`` runs as a plain multirun,
+narrowed by the stage's ``only``), the rates each stage searches, the controls every setting must pass and the budget.
 
-- ``mqar``: ``recall/mqar_lr`` (the headline arms at four rates, trained to the final budget), then ``recall/mqar``
-  (L = 256) and ``recall/mqar_long`` (L = 1,024), each job with its arm's searched rate (the rule's rate for the arms
-  not searched);
-- ``needle``: ``recall/needle``, with the MQAR search's rates (``lr_table.yaml``) when it exists.
+**A learning rate per arm and setting.** In a stage with ``search: [r1, r2, r3]`` each arm's first seed of every
+setting runs at every rate (the search jobs); the rate with the best ``val/acc_best`` (rates within
+``lr_tolerance`` of it: the lower ``val/loss``) is that arm's rate in that setting, its search run is the arm's seed-1
+result, and its other seeds run at that rate. The controls that repeat another arm's computation take that arm's rate
+(``lr_from``: ``local_long`` and ``local_short`` take ``full``'s). A stage without a search takes its rates from the
+table (``<root>/lr_table.yaml``, then the tables of ``lr_tables``: another task's) for the same setting
+(``lr_keys``). A job's rate is part of its directory name, so a job is found again after a restart.
 
-Each job is one ``train.py`` run in ``<root>/<stage>/<job name>`` (``hydra.run.dir``), so a stopped study goes
-on where it stopped: a job whose ``metrics.json`` says ``completed`` is skipped, a job that never finished (no
-``metrics.json``, interrupted, or stopped by Ctrl-C) is removed and run again, and a job that failed on its own
-is left as it is (``--retry-failed`` runs it again). Jobs run in priority order (the search; then per stage seed 1
-of every setting before seeds 2 and 3, the controls of a setting before its other arms), and none starts once the
-task's ``budget_hours`` of driver wall time (``<root>/budget.json``, summed over the driver's runs) are spent:
-a study cut short keeps what it finished. ``--plan`` lists the jobs and the budget estimate, ``--status`` what is
-done / failed / left and the time spent, ``--jobs 2`` runs two jobs at a time with ``cores / jobs`` threads each.
+**Order and budget.** Stage by stage, setting by setting (so that the budget cuts the last settings, never a setting's
+seeds or controls): the setting's search jobs (the controls' first), then its other jobs (controls first, then by
+seed). A setting where ``full`` reached ``controls.pass`` at none of its searched rates is not trained further (its
+other jobs are skipped: nothing there could be read). No job starts once the task's ``budget_hours`` of driver wall
+time (``<root>/budget.json``, summed over the driver's runs) are spent: a study cut short keeps what it finished.
 
-At the end (and with ``--report`` alone) ``longseq.report.recall_report`` writes ``<root>/report.md`` (the table
-with the guessing floor and the controls of every setting, where the answers come from, the learning-rate search
-and the rule), ``accuracy.csv``, ``by_<breakdown>.csv``, ``curves.csv`` and the figures ``accuracy.png``,
-``by_<breakdown>.png``, ``curves.png`` (``--figures DIR`` copies them, prefixed ``recall_<task>_``).
+**Resuming.** Each job is one ``train.py`` run in its own directory (``hydra.run.dir``). A job whose ``metrics.json``
+says ``completed`` is skipped; one that never finished (no ``metrics.json``, interrupted, or stopped by Ctrl-C) is
+removed and run again; one that failed on its own is left as it is (``--retry-failed`` runs it again). A killed driver
+(SIGTERM) stops its jobs, and the next run goes on where it stopped.
+
+``--plan`` prints the jobs and the estimated wall time per stage and in all (``estimate`` of plan.yaml) and the tasks
+cut to keep the budget; ``--status`` what is done / failed / left and the time spent; ``--structure`` the structural
+column of every arm at every setting of the plan, at the setting's placement and at ``start`` (no training:
+``longseq.report.recall_structure``). At the end (and with ``--report`` alone) ``longseq.report.recall_report``
+writes ``<root>/report.md``, its CSV files and figures (``--figures DIR`` copies the figures, prefixed
+``recall_<task>_``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -38,7 +46,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +58,9 @@ PROJECT_ROOT = Path(__file__).resolve().parents[3]  # train.py and conf/ live he
 PLAN_FILE = PROJECT_ROOT / "conf" / "recall" / "plan.yaml"
 ARM_GROUP = "recall/arm"
 LR_KEY = "optimizer.lr"
+LR_TABLE = "lr_table.yaml"
 JOB_SECONDS = "job_seconds.tsv"  # per stage folder: job name, wall seconds, status (one line per run of the job)
+WAITING = "waiting for its rate"  # a job whose rate the search has not decided yet
 # Errors that mean "stopped from outside", not "this configuration fails": such a job is run again. Lightning
 # turns Ctrl-C during fit into sys.exit(1) ("SystemExit: 1"); SIGTERM is "SystemExit: 143" (status interrupted).
 STOPPED = ("KeyboardInterrupt", "SystemExit: 1", "SystemExit: 130", "SystemExit: 143")
@@ -60,27 +70,65 @@ def load_plan(path: Path = PLAN_FILE) -> dict[str, Any]:
     return yaml.safe_load(path.read_text())
 
 
+def short_name(experiment: str) -> str:
+    return experiment.split("/")[-1]
+
+
+def rate_text(lr: float | str) -> str:
+    """One spelling per rate (``3e-3``, ``0.003`` and ``3.0e-03`` are one rate): ``<mantissa>e<exponent>``."""
+    mantissa, exponent = f"{float(lr):e}".split("e")
+    return f"{float(mantissa):g}e{int(exponent)}"
+
+
 @dataclass
 class Job:
-    stage: str
-    overrides: list[str]
-    directory: Path
-    extra: list[str] = field(default_factory=list)  # overrides decided at run time (the searched lr)
+    """One train.py run of a stage: its swept values (``pairs``: the arm, the setting keys, the seed) and its rate.
 
-    @property
-    def name(self) -> str:
-        return self.directory.name
+    ``lr`` is given for a search job and decided by the rate table for the others (None until then: no directory
+    yet). The rate is part of the directory name, so the run is found again after a restart."""
+
+    stage: str
+    pairs: tuple[tuple[str, str], ...]
+    folder: Path  # <root>/<stage's short name>
+    lr: str | None = None
+    search: bool = False
 
     @property
     def values(self) -> dict[str, str]:
-        return dict(o.split("=", 1) for o in self.overrides)
+        return dict(self.pairs)
 
     @property
     def arm(self) -> str:
         return self.values.get(ARM_GROUP, "")
 
+    @property
+    def seed(self) -> int:
+        return int(self.values.get("seed", 0))
+
+    @property
+    def overrides(self) -> list[str]:
+        return [f"{k}={v}" for k, v in self.pairs] + ([] if self.lr is None else [f"{LR_KEY}={self.lr}"])
+
+    @property
+    def name(self) -> str | None:
+        if self.lr is None:
+            return None
+        return ",".join(f"{k.replace(ARM_GROUP, 'arm')}={v}" for k, v in self.pairs) + f",lr={self.lr}"  # no '/'
+
+    @property
+    def directory(self) -> Path | None:
+        return None if self.lr is None else self.folder / self.name
+
+    def setting(self, keys: list[str]) -> tuple[str, ...]:
+        """The values of ``keys`` for this job: swept, else the stage's composed default."""
+        values = self.values
+        return tuple(values[k] if k in values else stage_default(self.stage, k) for k in keys)
+
     def status(self) -> str:
-        """``completed``, ``failed``, ``stopped`` (interrupted from outside), ``unfinished`` or ``not started``."""
+        """``completed``, ``failed``, ``stopped`` (interrupted from outside), ``unfinished``, ``not started`` or
+        ``WAITING`` (no rate yet)."""
+        if self.directory is None:
+            return WAITING
         outcome = self.directory / METRICS_FILE
         if not outcome.is_file():
             return "unfinished" if self.directory.exists() else "not started"
@@ -114,108 +162,165 @@ def compose_stage(experiment: str, overrides: list[str] = ()):
         GlobalHydra.instance().clear()
 
 
+@functools.cache
 def sweep_params(experiment: str) -> dict[str, list[str]]:
     """``hydra.sweeper.params`` of ``experiment=<experiment>``, each as its list of values."""
     cfg = compose_stage(experiment)
     return {str(k): [v.strip() for v in str(v).split(",")] for k, v in cfg.hydra.sweeper.params.items()}
 
 
-def job_name(pairs: list[tuple[str, str]]) -> str:
-    return ",".join(f"{k.replace(ARM_GROUP, 'arm')}={v}" for k, v in pairs)  # no '/' in a directory name
+@functools.cache
+def stage_default(experiment: str, key: str) -> str:
+    """The value of ``key`` in the composed ``experiment`` (for setting keys the stage does not sweep)."""
+    from omegaconf import OmegaConf
+
+    return str(OmegaConf.select(compose_stage(experiment), key, default=""))
 
 
-def priority(job: Job, arms: list[str], controls: list[str]) -> tuple:
-    """Seed first, then the setting, then the controls before the other arms (in the sweep's order)."""
+def selected(job: Job, only: str) -> bool:
+    """Whether ``job`` is among ``only``'s entries: a bare name is an arm, ``key=value`` any swept setting; a job
+    is kept when, for every key the entries name that its stage sweeps, its value is one of those listed."""
+    wanted: dict[str, set[str]] = {}
+    for entry in (e.strip() for e in only.split(",") if e.strip()):
+        key, value = entry.split("=", 1) if "=" in entry else (ARM_GROUP, entry)
+        wanted.setdefault(key.strip(), set()).add(value.strip())
     values = job.values
-    setting = tuple(v for k, v in values.items() if k not in (ARM_GROUP, "seed"))
-    arm = job.arm
-    return (int(values.get("seed", 0)), setting, (0, controls.index(arm)) if arm in controls else (1, arms.index(arm)))
+    return all(values[key] in allowed for key, allowed in wanted.items() if key in values)
 
 
-def stage_jobs(stage: str, root: Path, controls: list[str] = (), one_seed: list[str] = ()) -> list[Job]:
-    """The jobs of one stage: the product of its sweep parameters, in priority order; the arms of ``one_seed`` at
-    the stage's first seed only."""
-    params = sweep_params(stage)
+@dataclass
+class Stage:
+    """One stage of a task's plan: an experiment, the subset of its sweep the plan runs (``only``), the rates its
+    search tries (empty: rates from the table), its jobs, and why the budget cuts it (empty: it runs)."""
+
+    experiment: str
+    only: str
+    search: list[str]
+    jobs: list[Job]
+    cut: str = ""  # why the budget leaves it out (plan.yaml); run only with --include-cut
+
+    @property
+    def name(self) -> str:
+        return short_name(self.experiment)
+
+
+def stage_jobs(spec: dict | str, root: Path, one_seed: list[str] = (), lr_from: dict[str, str] | None = None) -> Stage:
+    """The jobs of one stage (``spec``: plan.yaml's ``{experiment, only, search}`` or an experiment name): the product
+    of its sweep parameters narrowed by ``only``, the arms of ``one_seed`` at the first seed only; with a search, the
+    first seed of every arm not in ``lr_from`` once per rate."""
+    spec = {"experiment": spec} if isinstance(spec, str) else dict(spec)
+    experiment, only = spec["experiment"], str(spec.get("only") or "")
+    search = [rate_text(r) for r in spec.get("search") or []]
+    params = sweep_params(experiment)
     keys = list(params)
     first_seed = params.get("seed", [None])[0]
+    folder = root / short_name(experiment)
     jobs = []
     for values in itertools.product(*(params[k] for k in keys)):
-        pairs = list(zip(keys, values))
-        job = Job(stage, [f"{k}={v}" for k, v in pairs], root / stage.split("/")[-1] / job_name(pairs))
+        pairs = tuple(zip(keys, values))
+        job = Job(experiment, pairs, folder)
+        if only and not selected(job, only):
+            continue
         if job.arm in one_seed and job.values.get("seed", first_seed) != first_seed:
             continue
-        jobs.append(job)
-    arms = params.get(ARM_GROUP, [])
-    return sorted(jobs, key=lambda j: priority(j, arms, list(controls))) if arms else jobs
+        if search and job.arm not in (lr_from or {}) and job.values.get("seed", first_seed) == first_seed:
+            jobs += [Job(experiment, pairs, folder, lr, search=True) for lr in search]
+        else:
+            fixed = job.values.get(LR_KEY)  # a stage that sweeps the rate itself (recall/mqar_lr)
+            jobs.append(Job(experiment, tuple((k, v) for k, v in pairs if k != LR_KEY), folder,
+                            None if fixed is None else rate_text(fixed)))
+    return Stage(experiment, only, search, jobs, " ".join(str(spec.get("cut") or "").split()))
+
+
+def task_stages(task: str, root: Path, plan: dict) -> list[Stage]:
+    spec = plan["tasks"][task]
+    return [stage_jobs(s, root, plan.get("one_seed", []), plan.get("lr_from", {})) for s in spec["stages"]]
 
 
 # ----------------------------------------------------------------------------------------------------
 # Learning rates
 
 
-def search_results(jobs: list[Job]) -> dict[str, dict[float, tuple[float, float]]]:
-    """Per arm and searched rate: (val/acc_best, val/loss) of the completed search jobs."""
-    found: dict[str, dict[float, tuple[float, float]]] = {}
+def search_results(jobs: list[Job], keys: list[str]) -> dict[tuple, dict[str, tuple[float, float]]]:
+    """Per (arm, setting): rate -> (val/acc_best, val/loss) of the completed search jobs."""
+    found: dict[tuple, dict[str, tuple[float, float]]] = {}
     for job in jobs:
-        if job.status() != COMPLETED:
+        if not job.search or job.status() != COMPLETED:
             continue
         metrics = job.metrics()
         acc, loss = float(metrics.get("val/acc_best", math.nan)), float(metrics.get("val/loss", math.inf))
         if not math.isnan(acc):
-            found.setdefault(job.arm, {})[float(job.values[LR_KEY])] = (acc, loss)
+            found.setdefault((job.arm, job.setting(keys)), {})[job.lr] = (acc, loss)
     return found
 
 
-def pick_lrs(jobs: list[Job], rule: float, tolerance: float) -> dict[str, float]:
-    """Per arm, the rule's rate where its ``val/acc_best`` is within ``tolerance`` of the arm's best (the search cannot
-    tell them apart), else the searched lr with the best ``val/acc_best`` (ties: the lower ``val/loss``).
+def pick_rate(results: dict[str, tuple[float, float]], tolerance: float) -> str:
+    """The rate with the best val/acc_best; rates within ``tolerance`` of it are a tie, broken by the lower val/loss."""
+    best = max(acc for acc, _ in results.values())
+    tied = [lr for lr, (acc, _) in results.items() if best - acc <= tolerance]
+    return min(tied, key=lambda lr: (results[lr][1], float(lr)))
 
-    Why the rule wins a tie: the search runs at L = 256 only. `full` took 1e-2 there by 0.001 (0.993 against 0.992
-    at 3e-3), and at L = 1,024 that rate left it below the guessing floor for all 1,200 steps (validation accuracy
-    0.001 to 0.002), where 3e-3 had learned the same setting by step 800 in the pilot."""
+
+def search_done(jobs: list[Job], arm: str, setting: tuple, keys: list[str]) -> bool:
+    """Whether every search job of ``arm`` at ``setting`` has ended (completed or failed on its own)."""
+    return all(j.status() in (COMPLETED, FAILED) for j in jobs
+               if j.search and j.arm == arm and j.setting(keys) == setting)
+
+
+def rate_table(stages: list[Stage], keys: list[str], tolerance: float) -> dict[tuple, dict]:
+    """(arm, setting) -> ``{"lr": chosen rate, "results": {rate: [val/acc_best, val/loss]}}`` for every arm whose
+    search has ended with at least one completed job."""
+    jobs = [job for stage in stages for job in stage.jobs]
     table = {}
-    for arm, rates in search_results(jobs).items():
-        best = max(rates, key=lambda lr: (rates[lr][0], -rates[lr][1]))
-        at_rule = rates.get(rule, (math.nan, math.nan))[0]
-        table[arm] = rule if rates[best][0] - at_rule <= tolerance else best
+    for (arm, setting), results in search_results(jobs, keys).items():
+        if search_done(jobs, arm, setting, keys):
+            ordered = sorted(results.items(), key=lambda item: float(item[0]))
+            table[arm, setting] = {"lr": pick_rate(results, tolerance), "results": {lr: list(v) for lr, v in ordered}}
     return table
 
 
-def search_rule(jobs: list[Job]) -> float:
-    """The rate the unsearched arms use (``recall_lr.rule`` of conf/recall/study.yaml, as the search stage composes)."""
-    return float(compose_stage(jobs[0].stage).recall_lr.rule)
+def write_rate_table(path: Path, table: dict[tuple, dict], keys: list[str]) -> None:
+    rows = [{"arm": arm, **dict(zip(keys, setting)), **entry} for (arm, setting), entry in table.items()]
+    path.write_text("# per arm and setting: the rate its search on seed 1 chose (best val/acc_best; ties: lower "
+                    "val/loss) and every searched rate's [val/acc_best, val/loss]\n"
+                    + yaml.safe_dump({"keys": keys, "rates": rows}, sort_keys=False))
 
 
-def rule_verdict(jobs: list[Job], rule: float, tolerance: float) -> tuple[bool, list[str]]:
-    """Whether the rule's rate is within ``tolerance`` (val/acc_best) of every searched arm's best, line per arm."""
-    holds, lines = True, []
-    for arm, rates in search_results(jobs).items():
-        best = max(acc for acc, _ in rates.values())
-        at_rule = rates.get(rule, (math.nan, math.nan))[0]
-        ok = not math.isnan(at_rule) and best - at_rule <= tolerance
-        holds &= ok
-        verdict = "" if ok else " (does not hold)"
-        lines.append(f"{arm}: best {best:.3f}, at the rule's {rule:g} {at_rule:.3f}{verdict}")
-    return holds and bool(lines), lines
+def read_rate_table(path: Path) -> tuple[list[str], list[dict]]:
+    """``(keys, rows)`` of a table ``write_rate_table`` wrote ((``[]``, ``[]``) when there is none)."""
+    if not path.is_file():
+        return [], []
+    data = yaml.safe_load(path.read_text()) or {}
+    return list(data.get("keys") or []), list(data.get("rates") or [])
 
 
-def lr_table_for(task: str, root: Path, stages: dict[str, list[Job]], plan: dict) -> dict[str, float]:
-    """The searched learning rates: this study's search (MQAR: written to ``<root>/lr_table.yaml``), or the MQAR
-    study's table (needle; empty when it does not exist: the jobs then use ``conf/recall/study.yaml``'s rates)."""
-    search = plan["tasks"][task].get("lr_search")
-    if search in stages:
-        table = pick_lrs(stages[search], search_rule(stages[search]), plan["lr_rule_tolerance"])
-        if table:
-            (root / "lr_table.yaml").write_text(
-                f"# per-arm lr chosen by recall/mqar_lr (the rule's rate within {plan['lr_rule_tolerance']} of the "
-                "best val/acc_best, else the best; ties: lower val/loss); paste into\n"
-                "# recall_lr in conf/recall/study.yaml so that plain -m runs use it too\n"
-                + yaml.safe_dump({"recall_lr": table}, sort_keys=False))
-        return table
-    path = PROJECT_ROOT / plan["tasks"][task].get("lr_table", "")
-    if path.is_file() and path.suffix == ".yaml":
-        return dict(yaml.safe_load(path.read_text())["recall_lr"])
-    return {}
+def lookup_rate(arm: str, setting: dict[str, str], table: dict[tuple, dict], keys: list[str],
+                external: list[tuple[list[str], list[dict]]]) -> str | None:
+    """The rate of ``arm`` at ``setting`` (its values of ``keys``): this task's table, else the first row of an
+    external table (another task's) whose keys that ``setting`` has all match."""
+    entry = table.get((arm, tuple(setting[k] for k in keys)))
+    if entry is not None:
+        return entry["lr"]
+    for other_keys, rows in external:
+        for row in rows:
+            if row["arm"] == arm and all(str(row[k]) == str(setting[k]) for k in other_keys if k in setting):
+                return rate_text(row["lr"])
+    return None
+
+
+def assign_rates(stages: list[Stage], table: dict[tuple, dict], keys: list[str], lr_from: dict[str, str],
+                 external: list[tuple[list[str], list[dict]]]) -> None:
+    """Give every job that has no rate yet its arm's rate at its setting (``lr_from``: the rate of the arm it repeats)
+    where the table knows it."""
+    for stage in stages:
+        for job in stage.jobs:
+            if job.lr is None:
+                setting = dict(zip(keys, job.setting(keys)))
+                job.lr = lookup_rate(lr_from.get(job.arm, job.arm), setting, table, keys, external)
+
+
+def external_tables(spec: dict) -> list[tuple[list[str], list[dict]]]:
+    return [read_rate_table(PROJECT_ROOT / path) for path in spec.get("lr_tables", [])]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -258,7 +363,7 @@ def run_job(job: Job, threads: int, log_dir: Path, overrides: list[str], budget:
     if job.directory.exists():
         shutil.rmtree(job.directory)
     log_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "train.py", f"experiment={job.stage}", *job.overrides, *job.extra, *overrides,
+    command = [sys.executable, "train.py", f"experiment={job.stage}", *job.overrides, *overrides,
                f"hydra.run.dir='{job.directory}'"]  # quoted: the job's name holds ',' and '='
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     start = time.time()
@@ -271,7 +376,8 @@ def run_job(job: Job, threads: int, log_dir: Path, overrides: list[str], budget:
         LIVE_JOBS.discard(process)
     status = job.status() if code == 0 or job.directory.exists() else FAILED
     seconds = time.time() - start
-    with open(job.directory.parent / JOB_SECONDS, "a") as times:  # the measured cost, for --status
+    job.folder.mkdir(parents=True, exist_ok=True)
+    with open(job.folder / JOB_SECONDS, "a") as times:  # the measured cost, for --status
         times.write(f"{job.name}\t{seconds:.1f}\t{status}\n")
     budget.save()
     print(f"[{time.strftime('%H:%M:%S')}] {job.stage} {job.name}: {status} ({seconds:.0f} s; "
@@ -279,15 +385,69 @@ def run_job(job: Job, threads: int, log_dir: Path, overrides: list[str], budget:
     return status
 
 
-def run_stage(jobs: list[Job], n_parallel: int, retry_failed: bool, log_dir: Path, overrides: list[str],
-              budget: Budget) -> None:
-    todo = [j for j in jobs if j.status() != COMPLETED and (retry_failed or j.status() != FAILED)]
-    if not todo:
+def to_run(jobs: list[Job], retry_failed: bool) -> list[Job]:
+    return [j for j in jobs if j.lr is not None and j.status() != COMPLETED and (retry_failed or j.status() != FAILED)]
+
+
+def run_jobs(jobs: list[Job], n_parallel: int, log_dir: Path, overrides: list[str], budget: Budget) -> None:
+    if not jobs:
         return
     threads = max(1, (os.cpu_count() or 1) // n_parallel)
-    print(f"{jobs[0].stage}: {len(todo)} of {len(jobs)} job(s) to run, {n_parallel} at a time", flush=True)
     with ThreadPoolExecutor(max_workers=n_parallel) as pool:
-        list(pool.map(lambda j: run_job(j, threads, log_dir, overrides, budget), todo))
+        list(pool.map(lambda j: run_job(j, threads, log_dir, overrides, budget), jobs))
+
+
+def settings_in_order(stage: Stage) -> list[tuple]:
+    """The stage's settings (the values it sweeps besides the arm and the seed), in sweep order."""
+    return list(dict.fromkeys(setting_of(job) for job in stage.jobs))
+
+
+def setting_of(job: Job) -> tuple:
+    return tuple((k, v) for k, v in job.pairs if k not in (ARM_GROUP, "seed"))
+
+
+def control_first(jobs: list[Job], controls: list[str]) -> list[Job]:
+    """Controls first (in ``controls``' order), then the others; by seed within each, in the sweep's order."""
+    rank = {arm: i for i, arm in enumerate(controls)}
+    return sorted(jobs, key=lambda j: (j.seed, (0, rank[j.arm]) if j.arm in rank else (1, 0)))
+
+
+def full_failed_search(jobs: list[Job], control: str, mark: float) -> bool:
+    """Whether ``control``'s search jobs have all ended and none reached ``mark`` (val/acc_best)."""
+    searched = [j for j in jobs if j.search and j.arm == control]
+    if not searched or any(j.status() not in (COMPLETED, FAILED) for j in searched):
+        return False
+    return not any(j.status() == COMPLETED and float(j.metrics().get("val/acc_best", 0.0)) >= mark for j in searched)
+
+
+def run_task(task: str, root: Path, stages: list[Stage], plan: dict, n_parallel: int, retry_failed: bool,
+             overrides: list[str], budget: Budget, include_cut: bool = False) -> None:
+    """Every stage (the cut ones too with ``include_cut``), setting by setting: its search, then its other jobs at the
+    chosen rates (module docstring). The rate table covers every stage's searches, run now or before."""
+    spec = plan["tasks"][task]
+    keys, tolerance, lr_from = spec["lr_keys"], plan["lr_tolerance"], plan.get("lr_from", {})
+    controls = [*plan["controls"]["positive"], plan["controls"]["short"]]
+    external = external_tables(spec)
+    for stage in (s for s in stages if include_cut or not s.cut):
+        for setting in settings_in_order(stage):
+            jobs = [j for j in stage.jobs if setting_of(j) == setting]
+            log_dir = root / "console" / stage.name
+            run_jobs(to_run(control_first([j for j in jobs if j.search], controls), retry_failed), n_parallel,
+                     log_dir, overrides, budget)
+            table = rate_table(stages, keys, tolerance)
+            write_rate_table(root / LR_TABLE, table, keys)
+            positive = plan["controls"]["positive"][0]
+            if full_failed_search(jobs, positive, plan["controls"]["pass"]):
+                print(f"{stage.experiment} {dict(setting)}: {positive} reached {plan['controls']['pass']} at none of "
+                      f"its searched rates; the setting's other jobs are skipped (nothing there could be read)")
+                continue
+            assign_rates(stages, table, keys, lr_from, external)
+            rest = control_first([j for j in jobs if not j.search], controls)
+            for job in rest:
+                if job.lr is None:
+                    print(f"{stage.experiment} {job.arm} seed {job.seed}: no rate (its search has no completed job); "
+                          "not run", flush=True)
+            run_jobs(to_run(rest, retry_failed), n_parallel, log_dir, overrides, budget)
 
 
 def measured_seconds(stage_dir: Path) -> dict[str, float]:
@@ -298,21 +458,25 @@ def measured_seconds(stage_dir: Path) -> dict[str, float]:
     return {name: float(seconds) for name, seconds, *_ in (line.split("\t") for line in path.read_text().splitlines())}
 
 
-def print_status(stages: dict[str, list[Job]], budget: Budget | None = None) -> int:
+def print_status(stages: list[Stage], budget: Budget | None = None) -> int:
     """One line per stage: how many jobs are completed / failed / left and their measured wall time; the failed ones
     by name. Returns the number of jobs not completed."""
     left = 0
-    for stage, jobs in stages.items():
+    for stage in stages:
+        if not stage.jobs:
+            continue
         counts: dict[str, int] = {}
-        for job in jobs:
+        for job in stage.jobs:
             counts[job.status()] = counts.get(job.status(), 0) + 1
-        left += len(jobs) - counts.get(COMPLETED, 0)
-        seconds = measured_seconds(jobs[0].directory.parent) if jobs else {}
-        took = [seconds[j.name] for j in jobs if j.name in seconds and j.status() == COMPLETED]
+        left += len(stage.jobs) - counts.get(COMPLETED, 0)
+        seconds = measured_seconds(stage.jobs[0].folder) if stage.jobs else {}
+        took = [seconds[j.name] for j in stage.jobs if j.name in seconds and j.status() == COMPLETED]
         median = sorted(took)[len(took) // 2] if took else 0.0
         timing = f"; {sum(took) / 3600:.2f} job-hours, median {median:.0f} s a job" if took else ""
-        print(f"{stage}: {len(jobs)} jobs: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + timing)
-        for job in jobs:
+        cut = " (cut: run with --include-cut)" if stage.cut else ""
+        print(f"{stage.experiment}{cut}: {len(stage.jobs)} jobs: "
+              + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + timing)
+        for job in stage.jobs:
             if job.status() == FAILED:
                 print(f"  failed: {job.directory}")
     if budget is not None:
@@ -320,94 +484,96 @@ def print_status(stages: dict[str, list[Job]], budget: Budget | None = None) -> 
     return left
 
 
-def print_plan(task: str, stages: dict[str, list[Job]], plan: dict) -> float:
-    """The jobs of every stage and the wall time they need at ``plan.yaml``'s per-job estimates (measured in the
-    pilot) with ``jobs`` running at a time. Returns the estimated hours."""
-    estimate = {int(length): costs for length, costs in plan["tasks"][task].get("job_seconds", {}).items()}
-    total = 0.0
-    for stage, jobs in stages.items():
-        stage_length = int(compose_stage(stage).task.seq_len)
-        seconds = 0.0
-        for job in jobs:
-            costs = estimate.get(int(job.values.get("task.seq_len", stage_length)), {})
-            seconds += float(costs.get(job.arm, costs.get("default", math.nan)))
-        hours = seconds / 3600 / plan["jobs"]
-        total += hours
-        print(f"{stage}: {len(jobs)} jobs, about {hours:.2f} h at {plan['jobs']} at a time")
+# ----------------------------------------------------------------------------------------------------
+# The plan's estimate
+
+
+def job_seconds(arm: str, length: int, estimate: dict) -> float:
+    """Estimated wall seconds of one job (plan.yaml ``estimate``): start-up + expected steps x the arm's step time x the
+    validation factor."""
+    steps = estimate["steps"][length]
+    step_s = estimate["step_s"][length]
+    if arm not in step_s:
+        raise KeyError(f"conf/recall/plan.yaml: estimate.step_s.{length} has no {arm!r}")
+    return estimate["startup_s"] + steps.get(arm, steps["default"]) * step_s[arm] * estimate["validation"]
+
+
+def stage_estimate(stage: Stage, plan: dict) -> tuple[int, int, float]:
+    """(search jobs, other jobs, estimated hours at ``plan.jobs`` at a time) of one stage (plan.yaml ``estimate``)."""
+    seconds = 0.0
+    for job in stage.jobs:
+        length = int(job.setting(["task.seq_len"])[0])
+        seconds += job_seconds(job.arm, length, plan["estimate"])
+    search = sum(j.search for j in stage.jobs)
+    return search, len(stage.jobs) - search, seconds / 3600 / plan["jobs"]
+
+
+def print_plan(task: str, stages: list[Stage], plan: dict) -> tuple[float, float]:
+    """Per stage: the jobs (search / at the chosen rates), the estimated wall time and the running total, the stages
+    the budget holds first, then the cut ones with their reasons; then the total against the budget. Returns the
+    estimated hours of the stages run and of the cut ones."""
+    totals = {False: 0.0, True: 0.0}
+    for cut in (False, True):
+        chosen = [s for s in stages if bool(s.cut) == cut]
+        if cut and chosen:
+            print("cut to keep the budget (python -m longseq.report.recall_study "
+                  f"{task} --include-cut --budget-hours H runs them):")
+        for stage in chosen:
+            search, other, hours = stage_estimate(stage, plan)
+            totals[cut] += hours
+            settings = len(settings_in_order(stage))
+            arms = len({j.arm for j in stage.jobs})
+            only = f" [{stage.only}]" if stage.only else ""
+            rates = f", {search} search jobs ({'/'.join(stage.search)}) and {other} at the chosen rates" \
+                if stage.search else " at the searched rates"
+            why = f"\n    cut: {stage.cut}" if cut else ""
+            print(f"{'  ' if cut else ''}{stage.experiment}{only}: {arms} arms x {settings} setting(s): "
+                  f"{search + other} jobs{rates}; about {hours:.2f} h (total {totals[cut]:.2f} h){why}")
+    run = [s for s in stages if not s.cut]
     limit = plan["tasks"][task]["budget_hours"]
-    print(f"{task}: about {total:.2f} h in all; the driver stops starting jobs after {limit} h")
-    return total
+    print(f"{task}: {sum(len(s.jobs) for s in run)} jobs, about {totals[False]:.2f} h at {plan['jobs']} at a time "
+          f"(budget {limit} h: the driver starts no job after it); cut: "
+          f"{sum(len(s.jobs) for s in stages if s.cut)} jobs, about {totals[True]:.2f} h")
+    return totals[False], totals[True]
 
 
 # ----------------------------------------------------------------------------------------------------
 # Report
 
 
-def write_report(task: str, root: Path, stages: dict[str, list[Job]], plan: dict, figures: Path | None) -> None:
+def reported_jobs(stages: list[Stage], table: dict[tuple, dict], keys: list[str]) -> list[Job]:
+    """The jobs whose runs the tables report: every job not in a search, and each arm's search job at the rate chosen
+    for its setting (its seed-1 result)."""
+    chosen = []
+    for stage in stages:
+        for job in stage.jobs:
+            entry = table.get((job.arm, job.setting(keys)))
+            if not job.search or (entry is not None and entry["lr"] == job.lr):
+                chosen.append(job)
+    return chosen
+
+
+def write_report(task: str, root: Path, stages: list[Stage], plan: dict, figures: Path | None) -> None:
     from longseq.report import recall_report as rr
-    from longseq.report.runs import load_run
 
     spec = plan["tasks"][task]
-    search = spec.get("lr_search")
-    main = [job for stage, jobs in stages.items() if stage != search for job in jobs]
-    runs = [load_run(job.directory) for job in main if job.directory.exists()]
-    study = rr.StudyRuns.load(runs, spec["settings"])
+    keys = spec["lr_keys"]
+    table = rate_table(stages, keys, plan["lr_tolerance"])
+    assign_rates(stages, table, keys, plan.get("lr_from", {}), external_tables(spec))
+    main = [job for job in reported_jobs(stages, table, keys) if job.directory is not None and job.directory.exists()]
+    beside = [PROJECT_ROOT / path for path in spec.get("beside", [])]
+    study = rr.StudyRuns.from_directories([job.directory for job in main], spec["settings"], beside)
     if study.frame.empty:
         print("no job has completed yet: nothing to report")
         return
-    arms = list(dict.fromkeys(job.arm for job in main))
-    kind = spec["breakdown"]
-    sections = [f"# Recall study: {task}\n",
-                "Test accuracy, mean ± half-width of the 95 % t interval (seeds); the guessing floor and the controls "
-                "of every setting (conf/recall/plan.yaml) below the arms; a setting whose controls fail is not "
-                "trained.\n",
-                rr.main_table(study, plan["controls"], kind, arms),
-                "\n## Where the answers come from\n",
-                "Share of answers that are one of the example's candidates / accuracy among those (means over "
-                "seeds).\n",
-                rr.answers_table(study, arms),
-                "\n## Steps trained\n",
-                "Mean over seeds: where early stopping (or the cap, conf/recall/study.yaml) ended the runs.\n",
-                rr.steps_table(study, arms)]
-    if search in stages:
-        sections += ["\n## Learning-rate search\n", lr_search_table(stages[search], plan)]
-    not_done = [job for job in main if job.status() != COMPLETED]
-    if not_done:
-        sections.append(f"\nNot completed: {len(not_done)} job(s) "
-                        f"(python -m longseq.report.recall_study {task} --status).")
-    (root / "report.md").write_text("\n".join(sections) + "\n")
-    rr.summary(study).to_csv(root / "accuracy.csv", index=False)
-    breakdown, curves = rr.breakdown_frame(study, kind), rr.curves_frame(study)
-    breakdown.to_csv(root / f"by_{kind}.csv", index=False)
-    curves.to_csv(root / "curves.csv", index=False)
-    untrained = rr.untrained_settings(study, plan["controls"], kind)
-    drawn = [rr.draw_accuracy(study, root / "accuracy.png", untrained),
-             rr.draw_breakdown(study, breakdown, kind, root / f"by_{kind}.png", untrained),
-             rr.draw_curves(study, curves, root / "curves.png", untrained)]
-    for path in filter(None, drawn):
-        if figures is not None:
-            figures.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(path, figures / f"recall_{task}_{path.name}")
-    print(f"wrote {root / 'report.md'} and its CSV files and figures")
+    arms = list(dict.fromkeys(job.arm for stage in stages for job in stage.jobs))
+    not_done = [job for stage in stages if not stage.cut for job in stage.jobs if job.status() != COMPLETED]
+    rr.write_study_report(task, root, study, plan, arms, table, keys, not_done, figures)
 
 
-def lr_search_table(jobs: list[Job], plan: dict) -> str:
-    """Markdown: val/acc_best per searched arm and rate, and whether the rule holds."""
-    import pandas as pd
-
-    from longseq.report.table import markdown_table
-
-    results = search_results(jobs)
-    if not results:
-        return "(no search job has completed)"
-    rates = sorted({lr for r in results.values() for lr in r})
-    rows = [[arm, *(f"{results[arm][lr][0]:.3f}" if lr in results[arm] else "" for lr in rates)] for arm in results]
-    rule = search_rule(jobs)
-    holds, lines = rule_verdict(jobs, rule, plan["lr_rule_tolerance"])
-    text = markdown_table(pd.DataFrame(rows, columns=["arm", *(f"lr {lr:g}" for lr in rates)]))
-    verdict = "holds" if holds else "does not hold"
-    return (text + f"\n\nThe rule (lr {rule:g} for every arm not searched) {verdict} within "
-            f"{plan['lr_rule_tolerance']} of each searched arm's best: " + "; ".join(lines) + ".")
+def default_root(task: str, plan: dict) -> Path:
+    """``logs/recall_<task>/<study>`` (``study`` of plan.yaml: each study its own folder, budget and rate table)."""
+    return PROJECT_ROOT / "logs" / f"recall_{task}" / plan["study"]
 
 
 def hold_study_lock(root: Path):
@@ -428,15 +594,25 @@ def hold_study_lock(root: Path):
     return handle
 
 
-def selected(job: Job, only: str) -> bool:
-    """Whether ``job`` is among ``--only``'s entries: a bare name is an arm, ``key=value`` any swept setting; a job
-    is kept when, for every key the entries name that its stage sweeps, its value is one of those listed."""
-    wanted: dict[str, set[str]] = {}
-    for entry in (e.strip() for e in only.split(",") if e.strip()):
-        key, value = entry.split("=", 1) if "=" in entry else (ARM_GROUP, entry)
-        wanted.setdefault(key.strip(), set()).add(value.strip())
-    values = job.values
-    return all(values[key] in allowed for key, allowed in wanted.items() if key in values)
+def print_structure(task: str, stages: list[Stage], plan: dict, count: int) -> None:
+    """The structural column of every arm at every setting of the task's stages, at the setting's placement and at
+    ``start`` (``longseq.report.recall_structure``; no training)."""
+    from longseq.report.recall_structure import structure_of_config
+
+    for stage in stages:
+        for setting in settings_in_order(stage):
+            arms = list(dict.fromkeys(j.arm for j in stage.jobs if setting_of(j) == setting))
+            placement = dict(setting).get("task.placement", stage_default(stage.experiment, "task.placement"))
+            variants = [(placement, [])] if placement == "start" else [
+                (placement, []), ("start", ["task.placement=start", "task.filler=unused_keys"])]
+            for label, extra in variants:
+                cells = []
+                for arm in arms:
+                    replaced = ("task.placement", "task.filler") if extra else ()
+                    overrides = [f"{k}={v}" for k, v in setting if k not in replaced]
+                    config = compose_stage(stage.experiment, [*overrides, f"{ARM_GROUP}={arm}", *extra])
+                    cells.append(f"{arm} {structure_of_config(config, count).cell()}")
+                print(f"{stage.experiment} {dict(setting)} at {label}: alone / direct: " + "; ".join(cells), flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -445,16 +621,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("task", choices=sorted(load_plan()["tasks"]))
     parser.add_argument("overrides", nargs="*", help="Hydra overrides added to every job (smoke runs: "
                                                      "trainer.max_steps=5; use another --root for them)")
-    parser.add_argument("--root", type=Path, help="study folder (default logs/recall_<task>/study)")
+    parser.add_argument("--root", type=Path, help="study folder (default logs/recall_<task>/<plan.yaml's study>)")
     parser.add_argument("--jobs", type=int, help="jobs at a time (default: plan.yaml's, 2 on the 2-core machine)")
-    parser.add_argument("--plan", action="store_true", help="list the stages, their jobs and the budget; exit")
+    parser.add_argument("--plan", action="store_true", help="list the stages, their jobs and the estimate; exit")
     parser.add_argument("--status", action="store_true", help="list done / failed / left and the time spent; exit")
+    parser.add_argument("--structure", action="store_true", help="print every arm's structural column; exit")
     parser.add_argument("--report", action="store_true", help="only write the tables and figures of what is done")
     parser.add_argument("--retry-failed", action="store_true", help="run failed jobs again")
+    parser.add_argument("--include-cut", action="store_true", help="also run the stages plan.yaml cuts (after the "
+                                                                   "others; raise --budget-hours for them)")
     parser.add_argument("--budget-hours", type=float, help="override the task's budget_hours of plan.yaml")
     parser.add_argument("--figures", type=Path, help="also copy the figures here (e.g. docs/)")
     parser.add_argument("--only", help="comma-separated arms and/or key=value settings to run, e.g. "
-                                       "full,local_long or task.seq_len=256 (default: every job of the sweep)")
+                                       "full,local_long or task.num_pairs=8 (default: every job of the plan)")
     return parser.parse_intermixed_args(argv)
 
 
@@ -462,16 +641,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     plan = load_plan()
     spec = plan["tasks"][args.task]
-    root = (args.root or PROJECT_ROOT / "logs" / f"recall_{args.task}" / "study").resolve()
+    root = (args.root or default_root(args.task, plan)).resolve()
     root.mkdir(parents=True, exist_ok=True)
-    controls = [*plan["controls"]["positive"], plan["controls"]["short"]]
-    stages = {stage: stage_jobs(stage, root, controls, plan.get("one_seed", [])) for stage in spec["stages"]}
+    stages = task_stages(args.task, root, plan)
     if args.only:
-        stages = {s: [j for j in jobs if selected(j, args.only)] for s, jobs in stages.items()}
-    budget = Budget(root, args.budget_hours if args.budget_hours is not None else spec["budget_hours"])
+        for stage in stages:
+            stage.jobs = [j for j in stage.jobs if selected(j, args.only)]
     if args.plan:
         print_plan(args.task, stages, plan)
         return 0
+    if args.structure:
+        print_structure(args.task, stages, plan, count=500)
+        return 0
+    budget = Budget(root, args.budget_hours if args.budget_hours is not None else spec["budget_hours"])
+    keys = spec["lr_keys"]
+    assign_rates(stages, rate_table(stages, keys, plan["lr_tolerance"]), keys, plan.get("lr_from", {}),
+                 external_tables(spec))
     if args.status:
         left = print_status(stages, budget)
         print(f"{left} job(s) left; run: python -m longseq.report.recall_study {args.task}")
@@ -479,13 +664,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report:
         lock = hold_study_lock(root)  # noqa: F841 - held until the process exits
         signal.signal(signal.SIGTERM, stop_jobs)
-        for stage, jobs in stages.items():
-            if stage != spec.get("lr_search"):
-                table = lr_table_for(args.task, root, stages, plan)
-                for job in jobs:
-                    job.extra = [f"{LR_KEY}={table[job.arm]}"] if job.arm in table else []
-            run_stage(jobs, args.jobs or plan["jobs"], args.retry_failed, root / "console" / stage.split("/")[-1],
-                      args.overrides, budget)
+        run_task(args.task, root, stages, plan, args.jobs or plan["jobs"], args.retry_failed, args.overrides, budget,
+                 args.include_cut)
         budget.save()
         print_status(stages, budget)
     write_report(args.task, root, stages, plan, args.figures)

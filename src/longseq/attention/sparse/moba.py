@@ -45,6 +45,7 @@ from longseq.attention.ops.flex.calls import FlexCall, same_block
 from longseq.attention.ops.flex.selection import other_block_pairs, selected_blocks
 from longseq.attention.ops.geometry import BlockGrid
 from longseq.attention.ops.masks import NEG_INF, full_mask, other_blocks_mask
+from longseq.attention.ops.partition import Partition
 from longseq.attention.registry import register_attention
 
 
@@ -103,6 +104,19 @@ class MobaAttention(BlockGrid, Attention):
         weight = real.view(B, 1, n, m, 1).to(k.dtype)
         k_bar = (blocks * weight).sum(-2) / weight.sum(-2).clamp(min=1.0)
         return k_bar, real.view(B, 1, 1, n, m).any(-1)
+
+    def selection_regions(self, length: int, device: torch.device | None = None) -> Partition:
+        """What a query can use, as a ``Partition`` (not a joint softmax: what ``choose`` picks from): direct = its own
+        block (causal: up to self); regions = the blocks, usable where ``choose`` may pick them (causal: earlier
+        blocks), each scored by its mean key (a query-independent summary) and attended at full resolution once
+        picked. For the recall study's structural column (``longseq.report.recall_structure``)."""
+        m = self.grid(length).n_cols
+        n = length // m
+        pos = torch.arange(length, device=device)
+        block = pos // m
+        own = (block.view(-1, 1) == block.view(1, -1)) & full_mask(length, self.causal, device)
+        members = torch.arange(n, device=device).view(n, 1) == block.view(1, -1)
+        return Partition.from_candidates(own, members, other_blocks_mask(n, self.causal, device)[block])
 
     # -- the contract ----------------------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -72,6 +72,7 @@ from longseq.attention.ops.flex.calls import FlexCall, same_block
 from longseq.attention.ops.flex.selection import pair_bound, selected_blocks
 from longseq.attention.ops.geometry import BlockGrid
 from longseq.attention.ops.masks import NEG_INF, full_mask
+from longseq.attention.ops.partition import Partition
 from longseq.attention.registry import register_attention
 
 COMPRESS_KINDS = ("mean", "mlp")
@@ -257,16 +258,47 @@ class NativeSparseAttention(BlockGrid, Attention):
             allowed = torch.nn.functional.pad(compressed_ok, (0, extra), value=False)
             logits = (qs.to(dtype) @ k_c.transpose(-1, -2)).masked_fill_(~allowed, NEG_INF)
             importance = self.importance(logits.softmax(-1).nan_to_num_(0.0), n_select)  # no block: all zero
-        own = positions // self.block_size
-        s = torch.arange(n_select, device=qs.device)
-        choosable = (s.view(1, -1) <= own.view(-1, 1)) if self.causal else torch.ones(
-            own.numel(), n_select, dtype=torch.bool, device=qs.device)
-        forced = (s.view(1, -1) == 0) | ((s.view(1, -1) <= own.view(-1, 1))
-                                          & (s.view(1, -1) > own.view(-1, 1) - self.local_blocks))
+        choosable, forced = self.selectable(positions, n_select)
         if occupied is not None:
             choosable = choosable & occupied
         score = importance.masked_fill_(~choosable, NEG_INF).masked_fill_(forced & choosable, float("inf"))
         return top_blocks(score, self.select_blocks)
+
+    def selectable(self, positions: torch.Tensor, n_select: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(T, S)`` bool each: the selection blocks the query at each position may choose (causal: up to its own) and
+        the ones always chosen (block 0 and the ``local_blocks`` latest)."""
+        own = positions // self.block_size
+        s = torch.arange(n_select, device=positions.device)
+        choosable = (s.view(1, -1) <= own.view(-1, 1)) if self.causal else torch.ones(
+            own.numel(), n_select, dtype=torch.bool, device=positions.device)
+        forced = (s.view(1, -1) == 0) | ((s.view(1, -1) <= own.view(-1, 1))
+                                          & (s.view(1, -1) > own.view(-1, 1) - self.local_blocks))
+        return choosable, forced
+
+    def selection_regions(self, length: int, device: torch.device | None = None) -> Partition:
+        """What a query can use, as a ``Partition`` (not a joint softmax: NSA mixes three branches): direct = its
+        window and its forced selection blocks (block 0 and the ``local_blocks`` latest; causal: up to self), read at
+        full resolution whatever the scores; regions = the other selection blocks it may choose (family 0: picked by
+        the compression scores, then read at full resolution) and the compression blocks it may use (family 1: a
+        pooled token each, a query-independent summary). For the recall study's structural column
+        (``longseq.report.recall_structure``)."""
+        S, m = self.grid(length).n_rows, self.block_size
+        pos = torch.arange(length, device=device)
+        causal = full_mask(length, self.causal, device)
+        choosable, forced = self.selectable(pos, S)
+        block = pos // m
+        back, ahead = self.reach(length)
+        offset = pos.view(-1, 1) - pos.view(1, -1)
+        direct = (((offset <= back) & (-offset <= ahead)) | forced[:, block]) & causal
+        select_members = torch.arange(S, device=device).view(S, 1) == block.view(1, -1)
+        C = self.n_compressed(length)
+        starts = torch.arange(C, device=device).view(C, 1) * self.compress_stride
+        compress_members = (pos.view(1, -1) >= starts) & (pos.view(1, -1) < starts + self.compress_block)
+        members = torch.cat([select_members, compress_members])
+        usable = torch.cat([choosable & ~forced, self.compressed_allowed(pos, C)], -1)
+        family = torch.cat([torch.zeros(S, dtype=torch.long, device=device),
+                            torch.ones(C, dtype=torch.long, device=device)])
+        return Partition.from_candidates(direct, members, usable, family)
 
     def importance(self, probs: torch.Tensor, n_select: int) -> torch.Tensor:
         """Each selection block's importance ``(B, H, T, S)``: the sum of the compression probabilities ``probs``
