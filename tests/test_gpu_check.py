@@ -87,10 +87,10 @@ def test_the_correctness_stage_checks_the_layout_long_sequences_get(tmp_path, mo
     summary_kv = calls.FlexCall.summary_kv
     monkeypatch.setattr(calls.FlexCall, "summary_kv",
                         lambda call, x, L: seen.append(call.summary_copies(L)[0]) or summary_kv(call, x, L))
-    rule = calls.COPY_ROWS, calls.COPY_KEY_SHARE
+    rule = calls.COPY_ROWS, calls.MIN_COPY_ROWS, calls.COPY_KEY_SHARE
     (row,) = [r for r in gpu.check_correctness(cfg, "cpu") if r["attention"] == "combiner_fixed"]  # full: always
     assert row["status"] == "pass" and set(seen) == {cfg.correctness.seq_len // cfg.correctness.summary_copy_rows}
-    assert (calls.COPY_ROWS, calls.COPY_KEY_SHARE) == rule and not block_masks._REGISTRY
+    assert (calls.COPY_ROWS, calls.MIN_COPY_ROWS, calls.COPY_KEY_SHARE) == rule and not block_masks._REGISTRY
 
 
 def test_a_wrong_result_is_reported_as_a_failure(tmp_path):

@@ -93,6 +93,7 @@ def lay_out_summaries(monkeypatch, copies: int, length: int = L) -> list[int]:
     seen = []
     if copies > 1:
         monkeypatch.setattr(calls, "COPY_ROWS", length // copies)
+        monkeypatch.setattr(calls, "MIN_COPY_ROWS", length // copies)
         monkeypatch.setattr(calls, "COPY_KEY_SHARE", float(copies * length))
         monkeypatch.setattr(block_masks, "_REGISTRY", {})
     summary_kv = calls.FlexCall.summary_kv
@@ -657,14 +658,15 @@ def test_no_summary_tile_makes_the_backward_loop_over_every_query_tile(name, mon
     """FlexAttention's backward loops, for each key tile, over the query tiles that visit it. At L = 16,384 (m 128,
     the benchmark's geometry) every query used to visit the same 1 or 2 summary tiles: a serial loop over 127 or 128
     query tiles (``flex_longest_loop``; ``combiner_logsparse``: its tile of big blocks, whose coarse levels' users
-    span the sequence). Laid out once per ``COPY_ROWS`` queries (``combiner_logsparse``: its big blocks only), no
-    tile is visited by more than ``COPY_ROWS / TILE`` (32) query tiles, and every call visits as many tiles as
+    span the sequence). Laid out once per ``copy_rows(L)`` queries (``combiner_logsparse``: its big blocks only), no
+    tile is visited by more than ``copy_rows(L) / TILE`` (32) query tiles, and every call visits as many tiles as
     before."""
-    L_long, copy_rows = 16384, calls.COPY_ROWS
+    L_long, copy_rows = 16384, calls.copy_rows(16384)
     q_tiles = L_long // TILE
 
     def loop_and_tiles(rows: int) -> tuple[int, list[float]]:  # (longest loop in query tiles, tiles of each call)
         monkeypatch.setattr(calls, "COPY_ROWS", rows)
+        monkeypatch.setattr(calls, "MIN_COPY_ROWS", rows)
         monkeypatch.setattr(block_masks, "_REGISTRY", {})
         attn = build(name, True, seq_len=L_long, block_size=128, n_heads=1, head_dim=64)
         layout = static_layout(attn, L_long, torch.device("cpu"), TILE)

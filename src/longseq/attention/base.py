@@ -198,6 +198,11 @@ class Attention(nn.Module):
         """What this batch decides once for every call (a selecting variant's chosen blocks); None by default."""
         return None
 
+    def flex_fused_kv(self, index: int, keys: torch.Tensor, values: torch.Tensor):
+        """Call ``index``'s KV ``(B, H, KV, .)`` as ``ops.flex.regions.summary_kv`` made it, changed as the variant's
+        summaries need (``combiner_axial``: its learned summary keys); default: as made."""
+        return keys, values
+
     def flex_call_mask(self, index: int, state) -> Callable | None:
         """A per-batch condition ``(b, h, q, kv) -> bool`` that call ``index``'s slots must also meet (e.g. a summary
         whose region came back at full resolution is not used twice); None: the call's static mask alone."""

@@ -55,6 +55,7 @@ from longseq.attention.ops.flex.calls import (
     own_column,
     same_block,
 )
+from longseq.attention.ops.flex.regions import RegionTable
 from longseq.attention.ops.geometry import BlockGrid, Grid
 from longseq.attention.ops.joint_softmax import LogitGroup, joint_groups_attention
 from longseq.attention.ops.masks import NEG_INF
@@ -249,8 +250,21 @@ class CombinerAxialRowMajor(BlockGrid, PartitionDecoder, Attention):
             rows = grid.rows(device)
             return rows[order].unsqueeze(1) == rows.unsqueeze(0)
 
+        regions = None
+        if self.row_summary != "wsum":  # slot c n + r': row r' from its row-mate (r', c) = order[slot]
+            m = grid.n_cols
+            regions = RegionTable.of(order // m * m, 1, m, anchor=order, reduce="anchor",
+                                     heads_last=self.row_summary == "proj", device=device)
         return [FlexCall(same_block(grid.n_cols, self.causal)),
-                FlexCall(None, order, length, own_column(grid.n_rows, self.causal), members, lambda: order)]
+                FlexCall(None, order, length, own_column(grid.n_rows, self.causal), members, lambda: order,
+                         regions=regions)]
+
+    def flex_fused_kv(self, index: int, keys: torch.Tensor, values: torch.Tensor):
+        """The fused column call's KV: the anchored row summaries with the row-mates' keys, then (``proj``) the learned
+        key map over them (heads-last layouts: the map reads and writes them without a copy)."""
+        if self.row_summary == "proj":
+            keys = self.summary_keys_recomputed(values, keys, None)
+        return keys, values
 
     def flex_summaries(self, index: int, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        real: torch.Tensor | None, state=None):

@@ -287,10 +287,10 @@ def flex_regions(L: int, causal: bool, device) -> tuple[torch.Tensor, torch.Tens
     semantics): blocks shorter than a tile sorted by the first query that uses them, so a query tile's small
     blocks sit in one or two key tiles; blocks of a tile or more (each used by whole query tiles) last. A key tile
     of big blocks is used by every query tile of their users, and the coarse levels' users span the sequence, so the
-    big blocks are the call's hot summaries (``calls.COPY_ROWS`` also bounds "big", so a test's short layout, whose
+    big blocks are the call's hot summaries (``calls.copy_rows`` also bounds "big", so a test's short layout, whose
     blocks are all under a tile, copies some).
     """
-    table, small = _flex_regions(L, causal, min(TILE, calls.COPY_ROWS))
+    table, small = _flex_regions(L, causal, min(TILE, calls.copy_rows(L)))
     table = table.to(device)
     return table[:, 0], table[:, 1], table[:, 2].bool(), small
 

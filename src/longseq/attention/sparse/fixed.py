@@ -35,7 +35,7 @@ class FixedAttention(BlockGrid, SparseAttention):
         """Own block, and the other blocks' summary cells as regions of one key each (``FlexCall.key_regions``), both
         in sequence order, merged by log-sum-exp. Every later query attends those n c cells, so as direct keys their
         one or two key tiles were one serial loop over every query tile in FlexAttention's backward; as regions they
-        are laid out once per ``COPY_ROWS`` queries (``FlexCall.summary_copies``)."""
+        are laid out once per ``copy_rows(L)`` queries (``FlexCall.summary_copies``)."""
         grid = self.grid(length)
         n, m, c, causal = grid.n_rows, grid.n_cols, self.summary_cells, self.causal
         cells = (torch.arange(n, device=device).view(n, 1) * m + m - c + torch.arange(c, device=device)).flatten()

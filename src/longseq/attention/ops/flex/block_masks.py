@@ -184,11 +184,11 @@ def summary_copies_every(rows: int | None):
     if rows is None:
         yield
         return
-    saved = calls.COPY_ROWS, calls.COPY_KEY_SHARE
-    calls.COPY_ROWS, calls.COPY_KEY_SHARE = int(rows), math.inf
+    saved = calls.COPY_ROWS, calls.MIN_COPY_ROWS, calls.COPY_KEY_SHARE
+    calls.COPY_ROWS, calls.MIN_COPY_ROWS, calls.COPY_KEY_SHARE = int(rows), int(rows), math.inf
     clear_registry()
     try:
         yield
     finally:
-        calls.COPY_ROWS, calls.COPY_KEY_SHARE = saved
+        calls.COPY_ROWS, calls.MIN_COPY_ROWS, calls.COPY_KEY_SHARE = saved
         clear_registry()

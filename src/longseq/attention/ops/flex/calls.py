@@ -10,9 +10,9 @@ share one softmax (merged exactly by their log-sum-exps, ``engine.merge_by_lse``
 Summaries that every query may use are "hot" key tiles: FlexAttention's backward computes each key tile's dK and dV
 in one program that loops over every query tile visiting it, so at L = 65,536 the summary tiles of
 ``combiner_fixed`` are one serial loop over all 512 query tiles (the rest of the layer's backward is a few query
-tiles per key tile). Past ``COPY_ROWS`` queries the summaries are therefore laid out once per ``COPY_ROWS`` queries
-(``FlexCall.summary_copies``): each copy is visible to its own query rows only, so no loop is longer than
-``COPY_ROWS / TILE`` query tiles; the softmax is unchanged (a query sees exactly one copy of each summary) and
+tiles per key tile). The summaries are therefore laid out once per ``copy_rows(L)`` queries (a quarter of the
+sequence, between 1,024 and 4,096; ``FlexCall.summary_copies``): each copy is visible to its own query rows only, so
+no loop is longer than a quarter of the query tiles (from 4,096 on) or 32 tiles; the softmax is unchanged (a query sees exactly one copy of each summary) and
 autograd sums the copies' gradients. A call with many summaries, few of them hot, copies only those
 (``FlexCall.copy_from``: ``combiner_logsparse``'s blocks of a tile or more, whose users span many query tiles).
 """
@@ -30,7 +30,10 @@ if TYPE_CHECKING:
     from longseq.attention.ops.flex.regions import RegionTable
 
 TILE = 128  # FlexAttention's default tile (queries x keys); ``tile_size`` shrinks it for short sequences
-COPY_ROWS = 32 * TILE  # query rows (in a call's order) that share one copy of its summaries
+COPY_ROWS = 32 * TILE  # at most this many query rows (in a call's order) share one copy of its summaries,
+MIN_COPY_ROWS = 8 * TILE  # at least this many (a sequence of up to 8 tiles keeps one copy: its loops are short),
+COPY_SHARE = 1 / 4  # and between the two a copy per quarter of the sequence: no loop over more than a quarter of the
+# query tiles from 4,096 on (#43: at 4,096 combiner_fixed's summary tile was one loop over all 32 query tiles)
 COPY_KEY_SHARE = 1 / 4  # the copies add at most this share of L key slots (memory, not tiles: a query visits its own
 # copy only); past it a call keeps one copy (every summary of combiner_logsparse would be 16 L at 65,536; its big ones
 # in copies are L / 8 causal, L / 4 bidirectional)
@@ -40,6 +43,12 @@ def tile_size(L: int) -> int:
     """The flex tile for a length-L sequence: ``TILE`` (128), or the next power of two >= L (at least 16, the
     kernels' smallest) when the whole sequence is shorter than one tile."""
     return min(TILE, max(16, 1 << max(L - 1, 1).bit_length()))
+
+
+def copy_rows(L: int) -> int:
+    """Query rows that share one copy of a call's hot summaries at length L: a quarter of the sequence in whole
+    tiles, within ``[MIN_COPY_ROWS, COPY_ROWS]`` (``FlexCall.summary_copies``)."""
+    return min(COPY_ROWS, max(MIN_COPY_ROWS, int(L * COPY_SHARE) // TILE * TILE))
 
 
 def whole_tiles(length: int, tile: int) -> int:
@@ -116,11 +125,12 @@ class FlexCall:
         would add more than ``COPY_KEY_SHARE`` L slots."""
         R = self.n_regions
         hot = R - self.copy_from
-        copies = -(-L // COPY_ROWS)
+        rows = copy_rows(L)
+        copies = -(-L // rows)
         slots = whole_tiles(hot, tile_size(L))
         if not hot or copies == 1 or copies * slots > L * COPY_KEY_SHARE:
             return 1, R, L
-        return copies, slots, COPY_ROWS
+        return copies, slots, rows
 
     def cold_slots(self, L: int) -> int:
         """KV slots of the summaries laid out once before the copies: ``copy_from`` padded to whole tiles (so no tile

@@ -103,7 +103,7 @@ def run_layer(attn, layout: StaticLayout | None, q: torch.Tensor, k: torch.Tenso
         kv_len = whole_tiles(call.kv_len(L), tile)
         fused = layout.fused[index] if layout is not None and layout.fused else None
         if fused is not None and fused_applies(q, real is not None):  # the whole KV in one kernel on CUDA
-            kv = summary_kv(q, k, v, fused, query_scale(q))
+            kv = attn.flex_fused_kv(index, *summary_kv(q, k, v, fused, query_scale(q)))
             keys, values = [kv[0]], [kv[1]]
         else:
             fused = None
@@ -203,9 +203,25 @@ def flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
     return flex_reference(q, k, v, mask, scale)  # CPU, eager: the unfused reference, forward only (``ops.cpu.kernels``)
 
 
+class _Reorder(torch.autograd.Function):
+    """Rows ``(..., L, .)`` put in another order by a permutation, whose backward is the inverse permutation: a
+    gather that inductor fuses into its neighbours, where ``index_select``'s backward is a zero fill and an
+    ``index_add`` (two launches per reordered tensor on an sm90 target, ``longseq.bench.launches``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(-2, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(-2, inverse), None, None
+
+
 def in_order(x: torch.Tensor, call: FlexCall | None) -> torch.Tensor:
     """(B, H, L, .) in sequence order -> the call's order (``call`` None: sequence order)."""
-    return x if call is None or call.order is None else x.index_select(-2, call.order)
+    return x if call is None or call.order is None else _Reorder.apply(x, call.order, call.sequence_order)
 
 
 def in_order_rows(real: torch.Tensor, call: FlexCall) -> torch.Tensor:
@@ -215,7 +231,7 @@ def in_order_rows(real: torch.Tensor, call: FlexCall) -> torch.Tensor:
 
 def to_sequence(x: torch.Tensor, call: FlexCall | None) -> torch.Tensor:
     """(B, H, L, .) in the call's order (``call`` None: already in sequence order) -> sequence order."""
-    return x if call is None or call.order is None else x.index_select(-2, call.sequence_order)
+    return x if call is None or call.order is None else _Reorder.apply(x, call.sequence_order, call.order)
 
 
 def logsumexp_of(x: torch.Tensor) -> torch.Tensor:
@@ -226,6 +242,18 @@ def logsumexp_of(x: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(x.masked_fill(empty, 0.0), -1).masked_fill(empty.squeeze(-1), float("-inf"))
 
 
+def logaddexp_of(xs: list[torch.Tensor]) -> torch.Tensor:
+    """``logsumexp`` over a few tensors of one shape, element by element, as ``logsumexp_of`` over their stack would
+    give it (-inf where all are -inf, zero gradients there), in pointwise operations only: a stack and a reduction
+    over it compiled into four kernels of the merge's five on an sm90 target (``longseq.bench.launches``), these
+    into the merge's one. The maximum is a constant of the formula (its gradient cancels), so it is detached."""
+    top = functools.reduce(torch.maximum, xs).detach()
+    top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)
+    total = sum(torch.exp(x - top) for x in xs)
+    some = total > 0
+    return torch.where(some, top + torch.log(torch.where(some, total, torch.ones_like(total))), float("-inf"))
+
+
 def merge_by_lse(parts) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact joint softmax of calls over disjoint key sets from their ``(output (B, H, L, Dv), log-sum-exp
     (B, H, L), call)``, each in its call's order (call None: sequence order) -> output and lse in sequence order;
@@ -234,8 +262,12 @@ def merge_by_lse(parts) -> tuple[torch.Tensor, torch.Tensor]:
     lses = [to_sequence(lse.unsqueeze(-1), call).squeeze(-1) for _, lse, call in parts]
     if len(parts) == 1:
         return to_sequence(parts[0][0], parts[0][2]), lses[0]
-    lse = logsumexp_of(torch.stack(lses, -1))
+    lse = logaddexp_of(lses)
     safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).unsqueeze(-1)
-    out = sum(to_sequence(o * (part.unsqueeze(-1) - in_order(safe, call)).exp().to(o.dtype), call)
-              for o, part, call in parts)
+    if torch.compiler.is_compiling():  # one kernel: inductor reads the reordered outputs and lses in place
+        out = sum(to_sequence(o, call) * (part.unsqueeze(-1) - safe).exp().to(o.dtype)
+                  for (o, _, call), part in zip(parts, lses))
+    else:  # eager, a reordered output would be a copy the backward keeps
+        out = sum(to_sequence(o * (part.unsqueeze(-1) - in_order(safe, call)).exp().to(o.dtype), call)
+                  for o, part, call in parts)
     return out, lse

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-REDUCES = ("max", "mean")
+REDUCES = ("max", "mean", "anchor")
 _FORCED = {"on": False}
 _REGISTERED: dict[str, bool | None] = {"ok": None}  # longseq::summary_kv registered (``summary_launch.register``)
 
@@ -32,14 +32,19 @@ _REGISTERED: dict[str, bool | None] = {"ok": None}  # longseq::summary_kv regist
 @dataclass(frozen=True, eq=False, repr=False)
 class RegionTable:
     """Regions as arithmetic progressions of positions: region r = ``{start[r] + i * stride[r] : i < count[r]}``
-    without ``skip[r]`` (-1: none), each ``(R,)`` int32 on the layout's device; ``reduce`` is the pool (``max`` or
-    ``mean``). Rows are in the order of the variant's ``flex_summaries`` (a call's ``summary_order`` applies to both)."""
+    without ``skip[r]`` (-1: none), each ``(R,)`` int32 on the layout's device. ``reduce`` says how a region's summary
+    query and key are made: ``max`` or ``mean`` pool its members, ``anchor`` takes the query and key of its position
+    ``anchor[r]`` (a member; ``combiner_axial``'s row-mate). ``heads_last``: the fused KV is laid out ``(B, KV, H, D)``
+    (a view ``(B, H, KV, D)`` of it), for a variant that maps the summaries across heads without a copy. Rows are in
+    the order of the variant's ``flex_summaries`` (a call's ``summary_order`` applies to both)."""
 
     start: torch.Tensor
     stride: torch.Tensor
     count: torch.Tensor
     skip: torch.Tensor
+    anchor: torch.Tensor
     reduce: str = "max"
+    heads_last: bool = False
     max_count: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -48,20 +53,12 @@ class RegionTable:
         object.__setattr__(self, "max_count", int(self.count.max()) if self.count.numel() else 0)
 
     @classmethod
-    def of(cls, start, stride, count, skip=None, reduce: str = "max", device=None) -> RegionTable:
+    def of(cls, start, stride, count, skip=None, anchor=None, reduce: str = "max", heads_last: bool = False,
+           device=None) -> RegionTable:
         """A table from integer tensors (or anything ``torch.as_tensor`` takes), broadcast to one length R."""
-        parts = [torch.as_tensor(x, device=device) for x in (start, stride, count, -1 if skip is None else skip)]
-        parts = [x.to(torch.int32) for x in torch.broadcast_tensors(*parts)]
-        return cls(*(x.contiguous() for x in parts), reduce=reduce)
-
-    @classmethod
-    def concat(cls, tables: list[RegionTable]) -> RegionTable:
-        """The regions of ``tables`` one after another (one pool kind)."""
-        reduces = {t.reduce for t in tables}
-        if len(reduces) != 1:
-            raise ValueError(f"RegionTable.concat: one pool kind, got {sorted(reduces)}")
-        return cls(*(torch.cat([getattr(t, name) for t in tables]) for name in ("start", "stride", "count", "skip")),
-                   reduce=reduces.pop())
+        parts = [torch.as_tensor(-1 if x is None else x, device=device) for x in (start, stride, count, skip, anchor)]
+        parts = [x.to(torch.int32).contiguous() for x in torch.broadcast_tensors(*parts)]
+        return cls(*parts, reduce=reduce, heads_last=heads_last)
 
     @property
     def n_regions(self) -> int:
@@ -169,7 +166,9 @@ def reference_summaries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, regio
     qm, km, vm = (x[..., positions, :] for x in (q, k, v))  # (B, H, R, S, .)
     keep = valid.unsqueeze(-1)
     occupied = valid.any(-1, keepdim=True)  # (R, 1)
-    if regions.reduce == "max":
+    if regions.reduce == "anchor":
+        q_bar, k_bar = (x[..., regions.anchor.long(), :] for x in (q, k))
+    elif regions.reduce == "max":
         q_bar = qm.masked_fill(~keep, float("-inf")).amax(-2).where(occupied, 0.0)
         k_bar = km.masked_fill(~keep, float("-inf")).amax(-2).where(occupied, 0.0)
     else:
@@ -198,6 +197,6 @@ def summary_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fused: FusedKV
     (in its order), every region's pooled key and local expectation (logits ``scale * pool(q) . k``) in their slots,
     zeros in the rest. Differentiable; one kernel forward and two backward on CUDA."""
     r = fused.regions
-    return torch.ops.longseq.summary_kv(q, k, v, r.start, r.stride, r.count, r.skip, fused.slot_source, fused.dst,
-                                        fused.key_slot, fused.indptr, fused.indices, float(scale), r.reduce == "mean",
-                                        r.max_count)
+    return torch.ops.longseq.summary_kv(q, k, v, r.start, r.stride, r.count, r.skip, r.anchor, fused.slot_source,
+                                        fused.dst, fused.key_slot, fused.indptr, fused.indices, float(scale),
+                                        REDUCES.index(r.reduce), r.max_count, r.heads_last)
