@@ -29,7 +29,7 @@ def test_every_grid_and_cluster_fast_path_is_a_cpu_flash_backend():
 @pytest.mark.parametrize("name,causal", CASES)
 def test_every_attention_accepts_the_backend_knob_and_validates_it(name, causal):
     assert build(name, causal, backend="explicit").backend == "explicit"
-    with pytest.raises(AttentionConfigError, match=r"attention.backend must be one of auto, flex, cpu_flash, "
+    with pytest.raises(AttentionConfigError, match=r"attention.backend must be one of auto, flex, cpu_flash, xla, "
                                                    r"explicit; got 'fast'"):
         build(name, causal, backend="fast")
 
