@@ -113,11 +113,10 @@ def _order_key(scores: torch.Tensor) -> torch.Tensor | None:
     if scores.dtype not in (torch.float32, torch.float64):
         return None
     itype = torch.int32 if scores.dtype == torch.float32 else torch.int64
-    bits = (scores + 0.0).view(itype)  # a fresh tensor: the rest is in place
-    negative = bits >> (8 * bits.element_size() - 1)  # -1 (every bit set) where < 0, else 0
-    # x ^ iinfo.max flips the value bits of a negative key: as ~x ^ iinfo.min, because XLA lowers a Python integer
-    # through a float, where iinfo(int32).max rounds up to 2^31 and overflowed; iinfo.min is a power of two (exact)
-    return bits.bitwise_xor_(negative).bitwise_xor_(negative.bitwise_and_(torch.iinfo(itype).min))
+    bits = (scores + 0.0).view(itype)
+    # a negative key's value bits flipped (x ^ iinfo.max) as ~x + iinfo.min: XLA (torch_xla 2.9) failed to lower
+    # int32 shifts and iinfo(int32).max (its Python integers pass through a float, where 2^31 - 1 rounds to 2^31)
+    return torch.where(bits < 0, bits.bitwise_not().add_(torch.iinfo(itype).min), bits)
 
 
 @contextlib.contextmanager
