@@ -1,20 +1,30 @@
 # longseq — `make train` and `make test` install what is missing first (a .venv in this folder).
 PY      := .venv/bin/python
 STAMP   := .venv/.installed
+XLA_PY    := .venv-xla/bin/python
+XLA_STAMP := .venv-xla/.installed
 ARGS    ?=
 
-.PHONY: help install train test test-slow bench gpu-check data-lra lint clean clean-logs notebooks
+.PHONY: help install train test test-slow bench gpu-check xla-check data-lra lint clean clean-logs notebooks
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
-$(STAMP): pyproject.toml
+# pyproject.toml states the supported torch range; tools/constraints/pinned.txt pins the release installed here
+$(STAMP): pyproject.toml tools/constraints/pinned.txt
 	test -x $(PY) || python3.11 -m venv .venv || python3 -m venv .venv
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -c tools/constraints/pinned.txt -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)  ## create .venv and install the package with pinned dependencies (idempotent)
+
+# torch 2.9.0 (what the newest torch_xla needs) + torch_xla 2.9.0 + the project's other pins, in a venv of its own
+$(XLA_STAMP): pyproject.toml tools/constraints/xla.txt
+	test -x $(XLA_PY) || python3.11 -m venv .venv-xla || python3 -m venv .venv-xla
+	$(XLA_PY) -m pip install --quiet --upgrade pip
+	$(XLA_PY) -m pip install --quiet -c tools/constraints/xla.txt torch_xla -e '.[dev]'
+	touch $(XLA_STAMP)
 
 train: $(STAMP)  ## train the default job (digits, full attention, CPU, a few minutes); extra overrides via ARGS="..."
 	$(PY) train.py $(ARGS)
@@ -30,6 +40,9 @@ bench: $(STAMP)  ## attention speed/memory benchmark (logs/bench/<timestamp>/)
 
 gpu-check: $(STAMP)  ## verify a CUDA machine: correctness of every attention x backend (fp32, bf16), Fig. 3 on the device, bf16-mixed training (MFU), DDP; report in logs/gpu_check/<timestamp>/ (ARGS="dry=true": CPU, tiny sizes)
 	$(PY) -m longseq.bench.gpu $(ARGS)
+
+xla-check: $(XLA_STAMP)  ## the XLA path on XLA's CPU device (own env .venv-xla, ~7 GB): every attention vs CPU, compiles per step, train.py trainer=tpu; report in logs/xla_check/<timestamp>/
+	PJRT_DEVICE=CPU $(XLA_PY) -m longseq.bench.xla $(ARGS)
 
 data-lra: $(STAMP)  ## generate ListOps + Pathfinder-32 locally into data/lra (seeded; NOT the released LRA splits)
 	$(PY) -m longseq.data.lra.prepare --root data/lra --workers 2

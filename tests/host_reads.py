@@ -7,6 +7,7 @@ values (``nonzero``, ``masked_select``, ``unique``, ``bincount``, boolean indexi
 from __future__ import annotations
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
@@ -50,5 +51,32 @@ class NoHostReads(TorchDispatchMode):
 def _refuse(name: str):
     def refused(self, *args, **kwargs):
         raise HostRead(f"Tensor.{name}() copies values to the host")
+
+    return refused
+
+
+class NoDeviceReads(NoHostReads):
+    """``NoHostReads`` for tensors on a device only: a table a layer builds on the host (CPU tensors) and moves is no
+    device read; what an XLA or CUDA step must not do is read a tensor on its device, which the meta device stands
+    for in CPU tests (its ops follow the non-CPU branches, and it has no values to read)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = [x for x in pytree.tree_leaves((args, kwargs or {})) if isinstance(x, torch.Tensor)]
+        if tensors and all(x.device.type == "cpu" for x in tensors):
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def __enter__(self):
+        self._patched = {name: getattr(torch.Tensor, name) for name in ("cpu", "numpy", "tolist")}
+        for name, method in self._patched.items():
+            setattr(torch.Tensor, name, _refuse_on_device(name, method))
+        return TorchDispatchMode.__enter__(self)
+
+
+def _refuse_on_device(name: str, method):
+    def refused(self, *args, **kwargs):
+        if self.device.type != "cpu":
+            raise HostRead(f"Tensor.{name}() copies values from {self.device} to the host")
+        return method(self, *args, **kwargs)
 
     return refused

@@ -15,7 +15,7 @@ import sys
 import lightning as L
 import pytest
 from conftest import ROOT, compose_config
-from devices import without_gpu
+from devices import without_gpu, without_torch_xla
 
 from longseq.runner import train
 from longseq.utils.console import error_summary
@@ -206,6 +206,9 @@ TRAIN_REFUSALS = [
                                         "or a list of device ids, got 0"),
     pytest.param(["trainer=gpu"], "error: trainer.accelerator: 'gpu' asks for a device this machine does not have "
                                   "(present: cpu); use trainer=cpu", marks=without_gpu),
+    pytest.param(["trainer=tpu"], "error: trainer.accelerator: 'tpu' needs torch_xla, which is not installed in this "
+                                  "environment; install it with the torch it was built for: make xla-check builds "
+                                  ".venv-xla", marks=without_torch_xla),
     pytest.param(["trainer.precision=bf17"], "error: trainer.precision: 'bf17' is not a precision Lightning knows; "
                                              "valid: transformer-engine, transformer-engine-float16, 16-true, "
                                              "16-mixed, bf16-true, bf16-mixed, 32-true, 64-true"),

@@ -59,7 +59,11 @@ def build_trainer(cfg: DictConfig, callbacks: list, loggers: list[Logger]) -> L.
     quiet_lightning()
     callbacks = console_callbacks(cfg.trainer, callbacks)  # the step bar and the compact model summary
     extra = {}
-    if cfg.trainer.get("accelerator") != "tpu" and "plugins" not in cfg.trainer:
+    if cfg.trainer.get("accelerator") == "tpu":  # Lightning's XLA accelerator, on XLA's CPU device where no TPU is
+        from longseq.utils.xla import tpu_accelerator
+
+        extra["accelerator"] = tpu_accelerator()
+    elif "plugins" not in cfg.trainer:
         extra["plugins"] = [AtomicCheckpointIO()]
     try:
         return hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **extra)

@@ -29,7 +29,7 @@ def test_every_grid_and_cluster_fast_path_is_a_cpu_flash_backend():
 @pytest.mark.parametrize("name,causal", CASES)
 def test_every_attention_accepts_the_backend_knob_and_validates_it(name, causal):
     assert build(name, causal, backend="explicit").backend == "explicit"
-    with pytest.raises(AttentionConfigError, match=r"attention.backend must be one of auto, flex, cpu_flash, "
+    with pytest.raises(AttentionConfigError, match=r"attention.backend must be one of auto, flex, cpu_flash, xla, "
                                                    r"explicit; got 'fast'"):
         build(name, causal, backend="fast")
 
@@ -175,6 +175,46 @@ def test_the_reasons_name_the_condition():
     narrow = facts("cuda", head_dim=8, value_width=8)  # compiled flex lowers widths >= 16 only
     assert "at least 16" in choose("flex", GRID, narrow).refusal and choose("auto", GRID, narrow).backend == "explicit"
     assert choose("flex", GRID, facts("cpu", head_dim=8, value_width=8)).backend == "flex"  # eager on CPU: any width
+
+
+TILES = Variant("moba", "sparse", True, block_select.CPU_FLASH, "no flex layout", block_select.TILED_PAIRS, True)
+HOST_READS = Variant("reads", "sparse", True, None, "no flex layout", "reads a count with int", False)
+
+
+def test_auto_on_an_xla_device_takes_the_static_shape_forms_and_refuses_host_reads_without_one():
+    """The XLA branch of the decision on plain facts (no torch_xla needed): every variant that can run there runs
+    ``xla`` (its explicit path, host reads in their static-shape forms); one with host reads and no such form is
+    refused naming the variant and why, by auto and by name; flex and cpu_flash are never XLA's."""
+    xla = facts("xla", grad=True)
+    for variant in (GRID, NO_FLEX, FULL, TILES):
+        choice = choose("auto", variant, xla)
+        assert choice.backend == "xla" and choice.refusal is None
+        rejected = dict(choice.rejected)
+        assert "no XLA lowering" in rejected["flex"] and "CPU tensors only" in rejected["cpu_flash"]
+        assert "static-shape forms" in rejected["explicit"]
+    refused = choose("auto", HOST_READS, xla)
+    assert refused.backend is None
+    assert refused.refusal == ("attention.backend=auto finds no backend for xla (xla: attention 'reads' has no "
+                               "static-shape form of its explicit path, which reads a count with int)")
+    assert "on XLA: attention 'reads''s explicit path reads a count with int" in choose("explicit", HOST_READS,
+                                                                                       xla).refusal
+    assert dispatch.static_reason("xla", HOST_READS) is not None  # named, it fails at construction
+    assert choose("explicit", TILES, facts("cpu", grad=True)).backend == "explicit"  # host reads are fine off XLA
+    assert choose("xla", TILES, facts("cpu", grad=True)).backend == "xla"  # the static form runs anywhere by name
+    assert choose("auto", TILES, facts("cuda", grad=True)).backend == "explicit"  # auto never pads tiles elsewhere
+
+
+def test_an_attention_refused_on_xla_raises_naming_it_at_the_call(monkeypatch):
+    """The refusal reaches the user as ``AttentionConfigError`` naming the variant (the device type faked: a CPU
+    tensor whose dispatch facts say xla)."""
+    attn = build("moba", True)
+    monkeypatch.setattr(type(attn), "xla_path", False)
+    real_facts = dispatch.Facts
+    monkeypatch.setattr(dispatch, "Facts", lambda **kw: real_facts(**{**kw, "device": "xla"}))
+    q, k, v = random_qkv(L=L, dtype=torch.float32)
+    with pytest.raises(AttentionConfigError, match=r"attention 'moba': attention.backend=auto finds no backend for "
+                                                   r"xla \(xla: attention 'moba' has no static-shape form"):
+        attn(q, k, v)
 
 
 def test_an_eager_fp32_path_runs_explicit_in_half_precision_and_under_compile():

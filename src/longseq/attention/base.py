@@ -18,9 +18,10 @@ Incremental decoding (sampling): causal variants with ``supports_decoding`` keep
 ``new_state`` / ``prefill`` / ``step`` (``ops.decoding``), whose outputs equal ``forward``'s at every position.
 The others raise ``DecodingNotSupported`` from ``new_state`` and sampling falls back to recompute.
 
-Backends (``attention.backend = auto | flex | cpu_flash | explicit``, ``ops.dispatch``): every subclass's
+Backends (``attention.backend = auto | flex | cpu_flash | xla | explicit``, ``ops.dispatch``): every subclass's
 ``forward`` goes through the one dispatch point (wrapped in ``__init_subclass__``): it picks the backend of the call
-(``backend_for``), runs ``flex`` through ``ops.flex`` and otherwise the variant's own ``forward``, which asks
+(``backend_for``), runs ``flex`` through ``ops.flex``, ``xla`` as the variant's own ``forward`` with its ops in their
+static-shape forms (``ops.dispatch.static_shapes``) and otherwise the variant's own ``forward``, which asks
 ``backend_for`` whether to take its CPU-engine path (``cpu_flash``, declared by the class attribute
 ``cpu_flash``). A backend the variant can never run fails at construction (``check_backend``, called by the
 registry), one the call's conditions rule out fails at the call; both name ``attention.backend`` and the reason.
@@ -44,6 +45,7 @@ from longseq.attention.errors import (  # noqa: F401  (re-exported: the contract
 from longseq.attention.ops import dispatch
 from longseq.attention.ops.amp import autocast_dtype
 from longseq.attention.ops.cpu.memory import heads_in_group
+from longseq.torch_compat import remember, traced_with_object
 
 
 class Attention(nn.Module):
@@ -60,8 +62,8 @@ class Attention(nn.Module):
         n_heads: number of heads H (variants with per-head parameters need it).
         head_dim: per-head width D (variants with learned maps need it).
         dropout: dropout on attention weights during training.
-        backend: ``attention.backend``: ``auto`` (default; ``ops.dispatch.PRIORITY``), ``flex``, ``cpu_flash``
-            or ``explicit`` (the reference paths).
+        backend: ``attention.backend``: ``auto`` (default; ``ops.dispatch.PRIORITY``), ``flex``, ``cpu_flash``,
+            ``xla`` (static shapes) or ``explicit`` (the reference paths).
     """
 
     name: str = "?"  # set by the registry
@@ -82,6 +84,11 @@ class Attention(nn.Module):
     pattern_from_data: bool = False
     # What the variant's CPU-engine path handles (``ops.dispatch.CpuFlash``); None: it has none (explicit on CPU).
     cpu_flash: dispatch.CpuFlash | None = None
+    # Why the explicit path reads tensor values on the host (data-dependent shapes: on XLA a round trip and a recompile
+    # per new shape), None: its shapes follow from the input shapes alone. ``xla_path``: its ops have static-shape forms
+    # (``ops.dispatch.static_shapes``), the ``xla`` backend; without one such a variant is refused on XLA devices.
+    host_reads: str | None = None
+    xla_path: bool = False
 
     def __init__(
         self,
@@ -117,6 +124,7 @@ class Attention(nn.Module):
         self.backends_used: dict[str, str] = {}  # backend -> how it was chosen, filled by calls (``ops.dispatch``)
         self._flex_reason: tuple[str | None] | None = None  # cached by ``check_backend``
         self.flex_layouts: dict = {}  # this module's static flex layouts (``ops.flex.static_layout``), not state
+        remember(self)  # ``_record_choice`` finds it by id under torch.compile
 
     # -- capabilities -------------------------------------------------------------------------
     def requires_len_multiple_of(self) -> int:
@@ -159,7 +167,8 @@ class Attention(nn.Module):
     def dispatch_variant(self) -> dispatch.Variant:
         """The static facts the dispatch decides on."""
         flex = self._flex_reason[0] if self._flex_reason is not None else self.flex_reason() or self.flex_config_reason()
-        return dispatch.Variant(self.name, self.family, self.causal, self.cpu_flash, flex)
+        return dispatch.Variant(self.name, self.family, self.causal, self.cpu_flash, flex, self.host_reads,
+                                self.xla_path)
 
     def check_backend(self) -> None:
         """Fail when ``attention.backend`` names a backend this variant can never run (the registry calls this once
@@ -248,6 +257,10 @@ class Attention(nn.Module):
     def __getstate__(self) -> dict:
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
         return {**state, "flex_layouts": {}}  # block masks hold mask_mod closures: rebuilt, never pickled or copied
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        remember(self)  # a copy or an unpickled module is a new object
 
     def backend_for(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     key_padding_mask: torch.Tensor | None = None, *, record: bool = False) -> str:
@@ -353,6 +366,9 @@ def _dispatching(forward):
         backend = self.backend_for(q, k, v, key_padding_mask, record=True)
         if backend == "flex":
             return dispatch.flex_forward(self, q, k, v, key_padding_mask)
+        if backend == "xla":
+            with dispatch.static_shapes():
+                return forward(self, q, k, v, *args, **kwargs)
         rows = self.cpu_flash.head_group_rows if backend == "cpu_flash" else None
         group = q.shape[1] if rows is None else heads_in_group(q.shape, v.shape[-1], q.element_size(), rows)
         if group < q.shape[1]:  # heads are independent: the same result, without fresh-mmap temporaries
@@ -365,10 +381,10 @@ def _dispatching(forward):
     return dispatched
 
 
-@torch.compiler.assume_constant_result
+@traced_with_object
 def _record_choice(attn: Attention, backend: str) -> bool:
     """Remembers that ``attn`` ran on ``backend`` (``backends_used``). Under ``torch.compile`` dynamo runs this while
-    it traces (``assume_constant_result``): once per compiled graph, whose choice it is, with no guard on the dict. A
-    traced dict update recompiled the whole backbone at its second step (the guard had seen the dict empty)."""
+    it traces (``torch_compat.traced_with_object``): once per compiled graph, whose choice it is, with no guard on the
+    dict. A traced dict update recompiled the whole backbone at its second step (the guard had seen the dict empty)."""
     attn.backends_used.setdefault(backend, attn.backend)
     return True

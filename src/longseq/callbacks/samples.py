@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import lightning as L
@@ -12,6 +13,8 @@ from torchvision.utils import make_grid, save_image
 
 from longseq.models.transformer import check_positive_int
 from longseq.utils.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 GRID_MIN_SIZE = 512  # pixels on the longer side of a saved / logged grid: 16 digits are 37 px wide unscaled
 
@@ -62,6 +65,13 @@ class SampleImages(L.Callback):
                                                    "task YAML adds it (`- /callbacks/samples: images`)")
 
     def active(self, trainer: L.Trainer, module: L.LightningModule) -> bool:
+        if module.device.type == "xla":  # said once per run, instead of a crash at the end of training
+            if not getattr(self, "_said_xla", False):
+                self._said_xla = True
+                log.warning("callbacks.samples: no sample grids on an XLA device (decoding token by token traces a "
+                            "new graph per position, and XLA has no torch.Generator); sample the checkpoint with "
+                            "eval.py mode=sample on CPU or GPU")
+            return False
         return self.n_samples > 0 and not trainer.sanity_checking and not trainer.fast_dev_run
 
     @rank_zero_only

@@ -215,6 +215,13 @@ def check_accelerator(accelerator: Any) -> None:
 
     if accelerator is None or accelerator == "auto" or isinstance(accelerator, Accelerator):
         return
+    if accelerator == "tpu":  # torch_xla is not a dependency: say how to get it; XLA's CPU device counts
+        from longseq.utils.xla import tpu_missing
+
+        missing = tpu_missing()
+        if missing is not None:
+            raise ConfigError("trainer.accelerator", missing)
+        return
     known = sorted(AcceleratorRegistry)
     asked = ("cuda", "mps") if accelerator == "gpu" else (accelerator,)
     if not any(name in known for name in asked):

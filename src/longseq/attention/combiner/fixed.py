@@ -34,7 +34,7 @@ from longseq.attention.ops.dispatch import CpuFlash
 from longseq.attention.ops.flex.calls import FlexCall, same_block
 from longseq.attention.ops.flex.regions import RegionTable
 from longseq.attention.ops.geometry import BlockGrid
-from longseq.attention.ops.masks import causal_mask
+from longseq.attention.ops.masks import cacheable, causal_mask
 from longseq.attention.ops.partition import Partition
 from longseq.attention.registry import register_attention
 
@@ -82,7 +82,7 @@ class CombinerFixedAttention(BlockGrid, PooledCombiner, Attention):
                 within = torch.ones(m, m, dtype=torch.bool, device=device)
                 uses = segment.unsqueeze(1) != segment.unsqueeze(0)
             mask = torch.cat([within.expand(n, m, m), uses.unsqueeze(1).expand(n, m, n)], -1)
-            self._mask_cache[key] = mask.unsqueeze(0).contiguous()
+            self._mask_cache[key] = cacheable(mask.unsqueeze(0).contiguous())
         return self._mask_cache[key]
 
     def partition(self, length: int, device: torch.device | None = None) -> Partition:

@@ -54,6 +54,7 @@ from longseq.attention.ops.log_levels import (
     level_views,
     mixed,
     row_dots,
+    summarized_block_views,
     summarized_blocks,
     summary_count,
     summary_views,
@@ -443,13 +444,15 @@ class _LevelSummaries:
         for level in range(1, len(self.q_pools)):
             w, kept, grad_v_bar = self.weights[level - 1], self.kept[level - 1], grad_value_rows[level]
             applied = w if kept is None else w * kept
-            summarized_blocks(grad_v, level).addcmul_(applied.unsqueeze(-1), grad_v_bar.unsqueeze(-2))
+            for view, rows in summarized_block_views(grad_v, level):  # in place on every device (XLA included)
+                view.addcmul_(applied[:, rows].unsqueeze(-1), grad_v_bar[:, rows].unsqueeze(-2))
             grad_w = row_dots(summarized_blocks(self.v, level), grad_v_bar)
             if kept is not None:
                 grad_w.mul_(kept)
             grad_logits = grad_w.sub_((grad_w * w).sum(-1, keepdim=True)).mul_(w)  # softmax backward
             grad_q_bars.append(mixed(grad_logits, summarized_blocks(self.k, level)).mul_(self.scale))
-            summarized_blocks(grad_k, level).addcmul_(grad_logits.unsqueeze(-1), self.q_bars[level - 1].unsqueeze(-2))
+            for view, rows in summarized_block_views(grad_k, level):
+                view.addcmul_(grad_logits[:, rows].unsqueeze(-1), self.q_bars[level - 1][:, rows].unsqueeze(-2))
         _unpool_levels(self.q_pools, grad_q_bars, self.reduce, grad_q_pooled)
         _unpool_levels(self.k_pools, grad_key_rows, self.reduce, grad_k_pooled)
 

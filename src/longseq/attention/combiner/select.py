@@ -33,6 +33,7 @@ import torch
 from longseq.attention.base import Attention, AttentionConfigError, check_int_knob
 from longseq.attention.ops.block_select import (
     CPU_FLASH,
+    TILED_PAIRS,
     block_attention,
     by_query_chunks,
     flash_inputs,
@@ -76,6 +77,7 @@ class CombinerSelectAttention(PartitionDecoder, Attention):
     pattern_from_data = True  # top-k blocks by score
     supports_padding_mask = True
     cpu_flash = CPU_FLASH
+    host_reads, xla_path = TILED_PAIRS, True  # the xla backend: static tiles
 
     def __init__(self, *, causal: bool, partition="fixed", top_k: int = 2, block_size: int | None = None,
                  summary: str = "max", **common) -> None:
@@ -113,12 +115,13 @@ class CombinerSelectAttention(PartitionDecoder, Attention):
         ``(R, Km)``, each with its valid mask; the usable regions as None and the ``(L, R)`` mask instead where
         ``dense_regions`` holds (cached per length and device)."""
         key = (length, str(device))
-        if key not in self._tables:
-            part = self.partition(length, device)
+        if key not in self._tables:  # built on the host (index tables count rows), then moved: no device read
+            part = self.partition(length, "cpu")
             regions, region_ok = index_table(part.usable)
             if self.dense_regions(part.usable.shape[-1], regions):
                 regions, region_ok = None, part.usable
-            self._tables[key] = (*index_table(part.direct), regions, region_ok, *index_table(part.members))
+            tables = (*index_table(part.direct), regions, region_ok, *index_table(part.members))
+            self._tables[key] = tuple(None if t is None else t.to(device) for t in tables)
         return self._tables[key]
 
     # -- shared steps -------------------------------------------------------------------------------------

@@ -175,6 +175,14 @@ class PerformerAttention(Attention):
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
         self.register_buffer("draws", torch.zeros((), dtype=torch.long))
         self.register_buffer("projection", self._draw(0).to(torch.get_default_dtype()))
+        # host copies of ``calls`` and ``draws``, so the redraw schedule never reads a buffer on the device (a sync
+        # per step on a GPU, a host round trip in XLA's graph); ``_load_from_state_dict`` refreshes them
+        self._host_calls, self._host_draws = 0, 0
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._host_calls = int(state_dict.get(prefix + "calls", self._host_calls))
+        self._host_draws = int(state_dict.get(prefix + "draws", self._host_draws))
 
     def _draw(self, index: int) -> torch.Tensor:
         """Draw number ``index`` of W ``(m, D)``, fp64, a pure function of ``(seed, index)``."""
@@ -185,7 +193,8 @@ class PerformerAttention(Attention):
     def redraw(self) -> None:
         """Replace W by the next draw."""
         self.draws += 1
-        self.projection.copy_(self._draw(int(self.draws)).to(self.projection))
+        self._host_draws += 1
+        self.projection.copy_(self._draw(self._host_draws).to(self.projection))
 
     def feature_map(self) -> RandomFeatures:
         """The feature maps of the current draw of W."""
@@ -219,9 +228,10 @@ class PerformerAttention(Attention):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.training and self.redraw_interval > 0:
-            if int(self.calls) > 0 and int(self.calls) % self.redraw_interval == 0:
+            if self._host_calls > 0 and self._host_calls % self.redraw_interval == 0:
                 self.redraw()
             self.calls += 1
+            self._host_calls += 1
         if self.causal:
             return causal_kernel_attention(q, k, v, self.chunk_size, features=self.feature_map())
         phi_q, (phi_k, key_scale) = self.query_features(q), self.key_features(k)

@@ -29,10 +29,10 @@ from typing import NamedTuple
 
 import torch
 
-from longseq.attention.ops.amp import autocast_function
+from longseq.attention.ops.amp import autocast_function, has_autocast
 from longseq.attention.ops.cpu.flash_lse import FlashInputs, flash_lse
 from longseq.attention.ops.cpu.memory import FRESH_MAP_BYTES
-from longseq.attention.ops.dispatch import CpuFlash
+from longseq.attention.ops.dispatch import CpuFlash, static_shapes_on
 from longseq.attention.ops.masks import NEG_INF
 
 # What the fused tiles handle (the ``cpu_flash`` of moba, nsa and combiner_select): key padding (per-tile masks);
@@ -41,6 +41,9 @@ from longseq.attention.ops.masks import NEG_INF
 # of 2 of 8 heads (every temporary under 32 MiB) fwd + bwd took 0.80 (nsa), 0.63 (moba) and 0.66 (combiner_select)
 # of all heads at once, page faults 0.39-0.54 M -> 0.02-0.06 M; groups of 4 or 1 were slower than 2
 CPU_FLASH = CpuFlash(key_padding=True, half_precision=False, compiles=False, head_group_rows=3.0)
+# The ``host_reads`` of the variants that tile (query, group) pairs (``grouped_attention``); their static-shape form
+# (the ``xla`` backend) pads the tiles to a count the shapes fix
+TILED_PAIRS = "tiles its (query, block) pairs with nonzero and a tile count read by int (grouped_attention)"
 
 
 def flash_inputs(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qs: torch.Tensor,
@@ -110,14 +113,19 @@ def _order_key(scores: torch.Tensor) -> torch.Tensor | None:
     if scores.dtype not in (torch.float32, torch.float64):
         return None
     itype = torch.int32 if scores.dtype == torch.float32 else torch.int64
-    bits = (scores + 0.0).view(itype)  # a fresh tensor: the rest is in place
-    mirror = (bits >> (8 * bits.element_size() - 1)).bitwise_and_(torch.iinfo(itype).max)  # all value bits if < 0
-    return bits.bitwise_xor_(mirror)
+    bits = (scores + 0.0).view(itype)
+    # a negative key's value bits flipped (x ^ iinfo.max) as ~x + iinfo.min: XLA (torch_xla 2.9) failed to lower
+    # int32 shifts and iinfo(int32).max (its Python integers pass through a float, where 2^31 - 1 rounds to 2^31)
+    return torch.where(bits < 0, bits.bitwise_not().add_(torch.iinfo(itype).min), bits)
 
 
 @contextlib.contextmanager
 def scoring(x: torch.Tensor):
-    """Autocast off on ``x``'s device for the selection scores (cast the inputs with ``score_dtype``)."""
+    """Autocast off on ``x``'s device for the selection scores (cast the inputs with ``score_dtype``); nothing to
+    turn off where autocast does not exist (the meta device)."""
+    if not has_autocast(x.device.type):
+        yield
+        return
     with torch.autocast(x.device.type, enabled=False):
         yield
 
@@ -141,7 +149,8 @@ def gather_keys(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     if idx.shape[0] == 1 and idx.shape[1] == 1:  # one table for every head: one index_select
         T, W = idx.shape[-2:]
         flat = idx.reshape(-1)
-        if flat.numel() == x.shape[2] and torch.equal(flat, torch.arange(flat.numel(), device=flat.device)):
+        if (flat.numel() == x.shape[2] and not static_shapes_on()  # static: no read of the table's values
+                and torch.equal(flat, torch.arange(flat.numel(), device=flat.device))):
             return x.reshape(B, H, T, W, x.shape[-1])  # every position once, in order (fixed's regions): a view
         return x.index_select(2, flat).view(B, H, T, W, x.shape[-1])
     b = torch.arange(B, device=x.device).view(B, 1, 1, 1)
@@ -342,30 +351,42 @@ def grouped_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, member
     G, Km = members.shape
     Dv = v.shape[-1]
     device = qs.device
+    static = static_shapes_on()  # the xla backend: every size below from the shapes alone, no host read
     if positions is None:
         positions = torch.arange(T, device=device)
-    if S == 0 or not bool(ok.any()):  # no pair: an empty part of the joint softmax
+    if S == 0 or (not static and not bool(ok.any())):  # no pair: an empty part of the joint softmax
         return Pairs(v.new_zeros(0, Dv), qs.new_zeros(0), torch.zeros(0, dtype=torch.long, device=device),
                      qs.new_full((B, H, T), NEG_INF))
     with torch.no_grad():  # the tiling: index arithmetic only
         bh = torch.arange(B * H, device=device).view(B, H, 1, 1)
         group = (bh * G + chosen).flatten()  # composite (head, group) id of every pair
-        pair = ok.flatten().nonzero().squeeze(-1)  # used pairs, as flat (b, h, t, s) indices
-        group = group[pair]
+        n_groups = B * H * G
+        if static:  # every pair; the unused ones in one extra group past the last, whose tiles are dropped
+            pair = torch.arange(group.numel(), device=device)
+            group = torch.where(ok.flatten(), group, n_groups)
+        else:
+            pair = ok.flatten().nonzero().squeeze(-1)  # used pairs, as flat (b, h, t, s) indices
+            group = group[pair]
         order = torch.argsort(group, stable=True)
         pair, group = pair[order], group[order]
-        counts = torch.bincount(group, minlength=B * H * G)
+        counts = torch.zeros(n_groups + 1, dtype=torch.long, device=device).index_add_(
+            0, group, torch.ones_like(group))  # bincount's values with a size fixed by the shapes
         if tile is None:
             tile = PAIR_TILE if flash is None else min(
                 FLASH_TILE_COST, key=lambda t: FLASH_TILE_COST[t] * t * int(((counts + t - 1) // t).sum()))
-        tiles = (counts + tile - 1) // tile
+        tiles = ((counts + tile - 1) // tile)[:n_groups]  # the unused pairs' group gets none
         first_tile = tiles.cumsum(0) - tiles
         rank = torch.arange(pair.numel(), device=device) - (counts.cumsum(0) - counts)[group]
-        tile_of = first_tile[group] + rank // tile
-        n_tiles = int(tiles.sum())
-        tile_pair = torch.full((n_tiles, tile), -1, dtype=torch.long, device=device)
-        tile_pair[tile_of, rank % tile] = pair
-        tile_group = torch.repeat_interleave(torch.arange(B * H * G, device=device), tiles)  # (n_tiles,)
+        # static: every group's tiles fit in P / tile + G tiles (a group wastes less than one); the rest stay padding
+        n_tiles = -(-pair.numel() // tile) + n_groups if static else int(tiles.sum())
+        used = group < n_groups
+        group = group.clamp(max=n_groups - 1)
+        tile_of = torch.where(used, first_tile[group] + rank // tile, n_tiles)  # unused: the dropped last row
+        tile_pair = torch.full((n_tiles + 1, tile), -1, dtype=torch.long, device=device)
+        tile_pair[tile_of, rank % tile] = torch.where(used, pair, -1)
+        tile_pair = tile_pair[:n_tiles]
+        tile_group = torch.zeros(n_tiles + 1, dtype=torch.long, device=device).scatter_(
+            0, tile_of, group)[:n_tiles]  # (n_tiles,): the group of its pairs (0 for a padding tile)
         row_ok = tile_pair >= 0
         query = tile_pair.clamp(min=0) // S  # flat (b, h, t)
         head, g = tile_group // G, tile_group % G

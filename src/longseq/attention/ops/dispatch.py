@@ -8,6 +8,11 @@ The semantics of every variant are written once (its explicit path, ``Partition`
   CPU tensors and one head size for q and v; each variant states what else its path handles (``CpuFlash``).
 - ``flex``: FlexAttention over [keys ; region summaries] with a ``BlockMask`` from the ``Partition``
   (``ops.flex``): the fused path on CUDA; on CPU forward only (FlexAttention has no CPU backward).
+- ``xla``: the explicit path with every op in its static-shape form (``static_shapes``): XLA traces a step into one
+  graph, and a host read there (``nonzero``, a count read with ``int``: ``Variant.host_reads``) is a round trip and
+  a recompile per new shape. A variant whose explicit path has static shapes runs it unchanged; one with host reads
+  runs its static-shape form (``Variant.xla``) or, without one, is refused on XLA at the call, naming the variant
+  and why. Any device runs it (the fast suite checks it on CPU against explicit); auto takes it on XLA devices.
 
 ``attention.backend=auto`` takes the first backend of its device's priority list (``PRIORITY``) that applies to the
 call; a backend asked for by name runs or fails with ``AttentionConfigError`` naming ``attention.backend`` and the
@@ -21,6 +26,7 @@ and remembers the backends it used (``Attention.backends_used``, collected by ``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -28,17 +34,25 @@ import torch
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "flex", "cpu_flash", "explicit")
+BACKENDS = ("auto", "flex", "cpu_flash", "xla", "explicit")
 # auto's order per device type; a device not listed runs explicit
 PRIORITY: dict[str, tuple[str, ...]] = {
     "cuda": ("flex", "explicit"),
     "cpu": ("cpu_flash", "explicit"),
+    "xla": ("xla",),
 }
 OTHER_DEVICES: tuple[str, ...] = ("explicit",)
 # why auto leaves a backend out of a device's list (it can still be asked for by name where it runs)
+STATIC_ELSEWHERE = ("the static-shape forms pad their tiles to a count fixed by the shapes (more work); an eager "
+                    "device tiles exactly")
 LEFT_OUT = {
     ("cpu", "flex"): "FlexAttention is unfused on CPU (name attention.backend=flex for no-grad inference)",
     ("cuda", "cpu_flash"): "the CPU engine's kernels run on CPU tensors only",
+    ("cpu", "xla"): STATIC_ELSEWHERE,
+    ("cuda", "xla"): STATIC_ELSEWHERE,
+    ("xla", "flex"): "FlexAttention has no XLA lowering (TPUs run the explicit paths or their static-shape forms)",
+    ("xla", "cpu_flash"): "the CPU engine's kernels run on CPU tensors only",
+    ("xla", "explicit"): "the xla backend is the explicit paths with their ops in static-shape forms",
 }
 HALF = (torch.float16, torch.bfloat16)
 FLEX_MIN_WIDTH = 16  # compiled FlexAttention (CUDA) lowers only q, k, v widths >= 16 (NYI below; torch 2.11 on an H200)
@@ -71,13 +85,16 @@ class CpuFlash:
 @dataclass(frozen=True)
 class Variant:
     """The static facts of one built attention: its registry ``name`` and ``family``, direction, CPU-engine path,
-    and why it has no flex layout (``flex``; None: it has one)."""
+    why it has no flex layout (``flex``; None: it has one), why its explicit path reads tensor values on the host
+    (``host_reads``; None: its shapes are static) and whether it has a static-shape form (``xla``)."""
 
     name: str
     family: str
     causal: bool
     cpu_flash: CpuFlash | None
     flex: str | None
+    host_reads: str | None = None
+    xla: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,14 +143,21 @@ def static_reason(backend: str, variant: Variant) -> str | None:
         if variant.family == "dense":
             return f"attention '{variant.name}' stays on SDPA (fused already): its backend is explicit"
         return variant.flex
+    if backend == "xla" and variant.host_reads is not None and not variant.xla:
+        return f"attention '{variant.name}' has no static-shape form of its explicit path, which {variant.host_reads}"
     return None
 
 
 def call_reason(backend: str, variant: Variant, facts: Facts) -> str | None:
     """Why ``backend`` cannot run this call of ``variant`` (None: it can)."""
     reason = static_reason(backend, variant)
-    if reason is not None or backend == "explicit":
+    if reason is not None or backend == "xla":
         return reason
+    if backend == "explicit":
+        if facts.device == "xla" and variant.host_reads is not None:
+            return (f"on XLA: attention '{variant.name}''s explicit path {variant.host_reads} (data-dependent shapes: "
+                    "a host round trip and a recompile per new shape)")
+        return None
     if backend == "cpu_flash":
         path = variant.cpu_flash
         if facts.device != "cpu":
@@ -186,6 +210,10 @@ def choose(requested: str, variant: Variant, facts: Facts) -> Choice:
             devices = ", ".join(d for d, order in PRIORITY.items() if backend in order)
             why = LEFT_OUT.get((facts.device, backend), f"auto uses it on {devices} only")
             rejected.append((backend, f"not in auto's {facts.device} priority: {why}"))
+    if chosen is None:  # e.g. host reads on XLA without a static-shape form
+        reasons = "; ".join(f"{backend}: {why}" for backend, why in rejected if backend in priority)
+        return Choice(None, tuple(rejected), refusal=f"attention.backend=auto finds no backend for {facts.device} "
+                                                     f"({reasons})")
     return Choice(chosen, tuple(rejected))
 
 
@@ -193,6 +221,27 @@ def refusal(backend: str, reason: str) -> str:
     """The error message of a backend asked for by name that cannot run (``AttentionConfigError``)."""
     return (f"attention.backend={backend} cannot run here: {reason}; use attention.backend=auto (picks a backend "
             f"that applies) or explicit (valid: {', '.join(BACKENDS)})")
+
+
+# -- the xla backend: the explicit path with every op in its static-shape form ----------------------------------
+_STATIC_SHAPES = [False]
+
+
+@contextlib.contextmanager
+def static_shapes():
+    """While active, the ops that have a data-dependent form take their static-shape one (``static_shapes_on``): the
+    dispatch point runs a variant's forward inside it when its backend is ``xla``."""
+    previous = _STATIC_SHAPES[0]
+    _STATIC_SHAPES[0] = True
+    try:
+        yield
+    finally:
+        _STATIC_SHAPES[0] = previous
+
+
+def static_shapes_on() -> bool:
+    """Whether the ops run in their static-shape forms (the ``xla`` backend; ``static_shapes``)."""
+    return _STATIC_SHAPES[0]
 
 
 # -- FlexAttention (``ops.flex``) ----------------------------------------------------------------------------

@@ -84,9 +84,28 @@ def summarized_blocks(x: torch.Tensor, level: int) -> torch.Tensor:
     count = summary_count(length, level)
     if count == 0:  # unfold needs one whole window
         return x[:, :0].unsqueeze(2).expand(x.shape[0], 0, b, *x.shape[2:])
+    if x.device.type == "xla":  # XLA has no unfold (a CPU fallback, and a copy): the blocks of its views, joined
+        views = [view for view, _ in summarized_block_views(x, level)]
+        return views[0] if len(views) == 1 else torch.cat(views, 1)
     # unfold rather than as_strided: the same view, and torch.compile traces it (storage_offset() breaks the graph).
     # Windows of b at a stride of 2b may count the even block of a pair whose odd block is empty: [:count] drops it.
     return x.unfold(1, b, 2 * b)[:, :count].movedim(-1, 2)
+
+
+def summarized_block_views(x: torch.Tensor, level: int) -> list[tuple[torch.Tensor, slice]]:
+    """``summarized_blocks`` as views on every device, for writing into ``x``: ``[(view (N, P', b, *C), rows)]`` where
+    ``rows`` are the view's P' rows of ``summarized_blocks`` (the complete pairs, then the incomplete one). Slices
+    and reshapes only, which XLA keeps as views (an in-place update through its unfold, a copy, was lost: the
+    gradients of k and v came out wrong)."""
+    length, b = x.shape[1], 1 << level
+    n_pairs = length // (2 * b)
+    views = []
+    if n_pairs:
+        views.append((x[:, : n_pairs * 2 * b].unflatten(1, (n_pairs, 2, b))[:, :, 0], slice(0, n_pairs)))
+    if summary_count(length, level) > n_pairs:
+        start = n_pairs * 2 * b
+        views.append((x[:, start : start + b].unsqueeze(1), slice(n_pairs, n_pairs + 1)))
+    return views
 
 
 def candidate_views(x: torch.Tensor, summaries: Summaries, level: int, length: int) -> list[torch.Tensor]:
@@ -244,4 +263,5 @@ def _saved(ctx) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None] |
 
 
 __all__ = ["LevelMix", "LevelScores", "add_mixed", "level_mix", "level_mix_transposed", "level_scores", "level_views",
-           "mixed", "row_dots", "row_pair_dots", "summarized_blocks", "summary_count"]
+           "mixed", "row_dots", "row_pair_dots", "summarized_block_views", "summarized_blocks",
+           "summary_count"]

@@ -4,6 +4,7 @@
 that several variants and references start from live here: ``causal_mask`` (the lower triangle), ``full_mask``
 (full attention, causal or not: also the keys a query sees inside its own block), ``other_blocks_mask`` (the
 blocks a query's block may see as a whole) and ``mask_from_index_table`` (the dense form of a key table).
+``cacheable`` makes a mask or table that a layer caches across steps into device data.
 """
 
 from __future__ import annotations
@@ -11,6 +12,18 @@ from __future__ import annotations
 import torch
 
 NEG_INF = float("-inf")
+
+
+def cacheable(tables):
+    """``tables`` (a tensor, or a tuple / list of them) as a layer may cache them across steps. On an XLA device a
+    freshly built tensor is a node of the traced step, so the first step's graph would build it and every later step
+    read it: two graphs (measured: combiner_fixed and axial compiled again at their second step). Computed once
+    here (a host round trip on the first step only), they are device data in every step's graph. Elsewhere as is."""
+    if isinstance(tables, (tuple, list)):
+        return type(tables)(cacheable(t) for t in tables)
+    if isinstance(tables, torch.Tensor) and tables.device.type == "xla":
+        return tables.cpu().to(tables.device)
+    return tables
 
 
 def causal_mask(length: int, device: torch.device | str | None = None, offset: int = 0) -> torch.Tensor:

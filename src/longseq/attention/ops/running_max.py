@@ -165,7 +165,9 @@ class _ScannedRunningMax(torch.autograd.Function):
             # suffix sums of the gradient with a zero past the end: from_t[t] = sum of g[t:]
             from_t = torch.cat([g.flip(dim).cumsum(dim).flip(dim), torch.zeros_like(g.narrow(dim, 0, 1))], dim)
             at = torch.where(attained, position, T)
-            next_at = at.flip(dim).cummin(dim).values.flip(dim).narrow(dim, 1, T - 1)  # next attaining after t
+            # next attaining after t: a reverse running min, as a running max of -at (XLA lowers cummax; its cummin
+            # fell back to the CPU, a host round trip per step)
+            next_at = at.flip(dim).neg().cummax(dim).values.neg().flip(dim).narrow(dim, 1, T - 1)
             next_at = torch.cat([next_at, torch.full_like(at.narrow(dim, 0, 1), T)], dim)
             out = torch.where(attained, from_t.narrow(dim, 0, T) - from_t.gather(dim, next_at), 0.0).to(grad.dtype)
             result.append(out.flip(dim) if reverse else out)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from longseq.attention.base import Attention
 from longseq.attention.ops.decoding import PartitionDecoder
+from longseq.attention.ops.masks import cacheable
 from longseq.attention.ops.padding import append_padding_channel
 from longseq.attention.ops.partition import Partition
 from longseq.attention.sparse.kernels import contiguous_grad
@@ -36,7 +37,7 @@ class SparseAttention(PartitionDecoder, Attention):
         """Memoize ``build()`` (index tables, masks) per (name, length, device); not saved in checkpoints."""
         key = (name, length, str(device))
         if key not in self._cache:
-            self._cache[key] = build()
+            self._cache[key] = cacheable(build())
         return self._cache[key]
 
     def partition(self, length: int, device: torch.device | None = None) -> Partition:

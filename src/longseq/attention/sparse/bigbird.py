@@ -34,8 +34,15 @@ class BigBirdAttention(BlockGrid, SparseAttention):
         self.global_blocks = check_int_knob(global_blocks, "attention.global_blocks", minimum=0)
         self.random_blocks = check_int_knob(random_blocks, "attention.random_blocks", minimum=0)
         self.seed = int(seed)
+        self._random_host = None  # the host copy of ``random_table``: tables are built from it, never a device read
         if self.seq_len:
-            self.register_buffer("random_table", self.draw_random_blocks(self.grid(self.seq_len).n_rows))
+            self._random_host = self.draw_random_blocks(self.grid(self.seq_len).n_rows)
+            self.register_buffer("random_table", self._random_host.clone())
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if prefix + "random_table" in state_dict:
+            self._random_host = state_dict[prefix + "random_table"].detach().to("cpu", copy=True)
 
     def global_block_ids(self, n: int) -> torch.Tensor:
         g = self.global_blocks
@@ -65,7 +72,7 @@ class BigBirdAttention(BlockGrid, SparseAttention):
         return torch.where(score < 2.0, ids, torch.full_like(ids, -1))
 
     def random_blocks_for(self, n: int) -> torch.Tensor:
-        table = getattr(self, "random_table", None)
+        table = self._random_host
         if table is not None and table.shape[1] == n:
             return table
         return self.draw_random_blocks(n)

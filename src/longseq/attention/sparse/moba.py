@@ -29,6 +29,7 @@ import torch
 from longseq.attention.base import Attention, check_int_knob
 from longseq.attention.ops.block_select import (
     CPU_FLASH,
+    TILED_PAIRS,
     block_attention,
     block_table,
     by_query_chunks,
@@ -71,6 +72,7 @@ class MobaAttention(BlockGrid, Attention):
     supports_padding_mask = True
     supports_decoding = True
     cpu_flash = CPU_FLASH
+    host_reads, xla_path = TILED_PAIRS, True  # the xla backend: static tiles
 
     def __init__(self, *, causal: bool, block_size: int, top_k: int = 2, **base) -> None:
         super().__init__(causal=causal, block_size=block_size, **base)

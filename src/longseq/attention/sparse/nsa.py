@@ -50,6 +50,7 @@ from torch import nn
 from longseq.attention.base import Attention, AttentionConfigError, check_int_knob
 from longseq.attention.ops.block_select import (
     CPU_FLASH,
+    TILED_PAIRS,
     Pairs,
     Part,
     block_attention,
@@ -112,6 +113,7 @@ class NativeSparseAttention(BlockGrid, Attention):
     supports_decoding = True
     has_parameters = True
     cpu_flash = CPU_FLASH
+    host_reads, xla_path = TILED_PAIRS, True  # the xla backend: static tiles
 
     def __init__(self, *, causal: bool, block_size: int, compress_block: int = 32, compress_stride: int | None = None,
                  select_blocks: int = 16, local_blocks: int = 2, window: int = 512, compress: str = "mean",

@@ -58,7 +58,8 @@ def as_the_kernels_read_it(block_mask: BlockMask) -> BlockMask:
     inner = block_mask.mask_mod
 
     def mask_mod(b, h, q, kv):
-        tile = (b if partial.shape[0] > 1 else 0, h if partial.shape[1] > 1 else 0, q // q_tile, kv // kv_tile)
+        # tensors only: torch 2.9's vmap read a Python int index mixed with batched ones with .item() and raised
+        tile = (b if partial.shape[0] > 1 else b * 0, h if partial.shape[1] > 1 else h * 0, q // q_tile, kv // kv_tile)
         ok = partial[tile] & inner(b, h, q, kv)
         return ok if full is None else ok | full[tile]
 
