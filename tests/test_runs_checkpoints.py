@@ -23,7 +23,7 @@ from longseq import runner
 from longseq.runner import evaluate, train
 from longseq.utils.checkpoint import save_atomically
 from longseq.utils.errors import ConfigError, NonFiniteError
-from longseq.utils.resume import preflight
+from longseq.preflight.command import preflight_train
 
 TINY = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "trainer.limit_val_batches=1",
         "trainer.limit_test_batches=1", "extras.print_config=false", "trainer.enable_progress_bar=false",
@@ -54,7 +54,7 @@ def ckpts(directory: Path) -> list[str]:
 def preflight_error(argv: list[str], capsys) -> str:
     """Run train.py's pre-flight in-process; return the one-line error it exits with."""
     with pytest.raises(SystemExit) as stop:
-        preflight(["train.py", *argv], CONF, "train")
+        preflight_train(["train.py", *argv], CONF, "train")
     assert stop.value.code == 1
     return next(line for line in capsys.readouterr().err.splitlines() if line.startswith("error: "))
 
