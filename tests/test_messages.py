@@ -256,8 +256,8 @@ def test_train_refuses_a_bad_value_before_the_run_directory_exists(overrides, li
 def test_eval_refuses_a_bad_value_before_the_run_directory_exists(overrides, line, tmp_path, capsys, monkeypatch):
     from conftest import CONF
 
-    from longseq.preflight.evaluate import check_eval_config
     from longseq.preflight.command import check_composition
+    from longseq.preflight.evaluate import check_eval_config
 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     ckpt = tmp_path / "last.ckpt"

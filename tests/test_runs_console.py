@@ -132,8 +132,9 @@ def test_bench_warns_when_another_process_keeps_the_cpu_busy():
         spinner.wait()
     assert load > BUSY_CORES  # the spinning process alone keeps about one core busy
     out = StringIO()
-    warn_if_busy(Console(file=out, width=200), load, "before the run")
+    warn_if_busy(Console(file=out, width=80), load, "before the run")  # a piped console: rich's 80 columns
     assert "warning" in out.getvalue() and "not reliable" in out.getvalue()
+    assert out.getvalue().count("\n") == 1  # one line, never broken mid-sentence
     quiet = StringIO()
     warn_if_busy(Console(file=quiet, width=200), 0.0, "before the run")
     assert quiet.getvalue() == ""

@@ -23,10 +23,10 @@ from conftest import CONF, FAST, ROOT, compose_config
 from omegaconf import OmegaConf
 
 from longseq import runner
+from longseq.preflight.command import preflight_train
 from longseq.utils import rundir
 from longseq.utils.checkpoint import resolve_ckpt_path, save_atomically
 from longseq.utils.errors import ConfigError
-from longseq.preflight.command import preflight_train
 from longseq.utils.resume import replay, resume_requeued
 
 TINY = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "trainer.limit_val_batches=1",
