@@ -41,7 +41,7 @@ from longseq.utils.checkpoint import (  # noqa: F401 - load_run_config / run_dir
 )
 from longseq.utils.config import ensure_csv_logger, register_resolvers
 from longseq.utils.console import quiet_lightning
-from longseq.utils.errors import ConfigError, NonFiniteError, names_what_to_fix
+from longseq.utils.errors import NonFiniteError, names_what_to_fix
 from longseq.utils.resume import continue_loggers, resuming_in_place
 from longseq.utils.rundir import RESOLVED_CONFIG, discard_created, rank_zero
 
@@ -354,7 +354,12 @@ def sample(cfg: DictConfig, checked: bool = False) -> dict[str, str]:
 
 def draw_samples(cfg: DictConfig) -> dict[str, str]:
     """``sample``'s work, on a checked config."""
-    from longseq.tasks.sampling import sample_out_dir, write_image_samples, write_text_samples
+    from longseq.tasks.sampling import (
+        check_can_sample,
+        sample_out_dir,
+        write_image_samples,
+        write_text_samples,
+    )
 
     spec = cfg.sample
     out_dir = sample_out_dir(spec.get("out_dir"), run_directory(cfg.ckpt_path, cfg.get("run_dir")))
@@ -362,10 +367,8 @@ def draw_samples(cfg: DictConfig) -> dict[str, str]:
     datamodule, module = load_checkpoint_run(cfg, map_location=device)
     module.eval()
     generator = torch.Generator(device=device).manual_seed(int(cfg.get("seed") or 0))
+    check_can_sample(type(module))
     image_task = hasattr(module, "num_levels") and callable(getattr(module, "sample", None))
-    if not image_task and not callable(getattr(module, "generate", None)):
-        raise ConfigError("mode", f"sample needs an image density or a causal LM task; {type(module).__name__} "
-                                  "(task.module._target_ of the run) cannot generate: use mode=evaluate")
     out_dir.mkdir(parents=True, exist_ok=True)
     if image_task:
         if spec.get("top_k") is not None:

@@ -8,11 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from longseq.preflight.train import check_data_files, check_seed
 from longseq.preflight.trainer import check_trainer_types, check_with_lightning
-from longseq.tasks.sampling import check_sample_options
+from longseq.tasks.sampling import check_can_sample, check_sample_options
 from longseq.utils.checkpoint import load_run_config, read_checkpoint, resolve_ckpt_path
 from longseq.utils.errors import ConfigError
 
@@ -46,6 +47,9 @@ def check_eval_config(cfg: DictConfig) -> None:
     ckpt = resolve_ckpt_path(cfg.ckpt_path, announce=False)
     read_checkpoint(ckpt)  # random bytes, a truncated file: named now, not after the run directory exists
     run_cfg = load_run_config(ckpt, cfg.get("run_dir"))  # a checkpoint outside a training run directory
+    target = OmegaConf.select(run_cfg, "task.module._target_")
+    if mode == "sample" and target:
+        check_can_sample(hydra.utils.get_class(str(target)))
     check_with_lightning(cfg)
     if mode == "evaluate":
         check_data_files(run_cfg)

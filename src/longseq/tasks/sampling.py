@@ -77,6 +77,14 @@ def check_sample_options(spec: Mapping[str, Any]) -> None:
         raise ConfigError("sample.prompt", f"must be a string (sample.prompt='The '), got {spec['prompt']!r}")
 
 
+def check_can_sample(task_class: type) -> None:
+    """``eval.py mode=sample`` needs a task that generates: an image density (``sample``) or a causal LM
+    (``generate``); checked on the run's ``task.module._target_`` before anything is loaded."""
+    if not (callable(getattr(task_class, "sample", None)) or callable(getattr(task_class, "generate", None))):
+        raise ConfigError("mode", f"sample needs an image density or a causal LM task; {task_class.__name__} "
+                                  "(task.module._target_ of the run) cannot generate: use mode=evaluate")
+
+
 def pick_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
               generator: torch.Generator | None = None) -> torch.Tensor:
     """(B, V) logits -> (B,) token ids drawn from ``softmax(logits / temperature)`` restricted to the
