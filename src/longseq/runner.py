@@ -385,14 +385,21 @@ def draw_samples(cfg: DictConfig) -> dict[str, str]:
 
 def headline_metrics(metrics: dict[str, Any], monitor: str | None) -> dict[str, float]:
     """The final metrics worth a console line: the task's monitored metric on validation (its last and best value)
-    and on test, with the loss of each split; every other metric (a recall task's per-bucket accuracies ...) stays
-    in ``<run>/metrics.json``. Without a monitor: every val/ and test/ metric."""
-    numbers = {k: v for k, v in sorted(metrics.items()) if k.startswith(("test/", "val/")) and isinstance(v, float)}
+    and on test, its variants (``test/trams_bpc`` beside ``test/bpc``), and the loss of each split; every other
+    metric (a recall task's per-bucket accuracies ...) stays in ``<run>/metrics.json``. Without a monitor: every
+    val/ and test/ metric."""
+    numbers = {k: v for k, v in metrics.items() if k.startswith(("test/", "val/")) and isinstance(v, float)}
     if not monitor:
-        return numbers
+        return dict(sorted(numbers.items()))
     name = monitor.split("/", 1)[-1]
-    wanted = [f"val/{name}", f"val/{name}_best", f"test/{name}", "val/loss", "test/loss"]
-    return {k: numbers[k] for k in wanted if k in numbers}
+
+    def headline(key: str) -> bool:
+        leaf = key.split("/", 1)[1]
+        return leaf in (name, f"{name}_best", "loss") or leaf.endswith(f"_{name}")
+
+    order = {"val": 0, "test": 1}
+    return dict(sorted(((k, v) for k, v in numbers.items() if headline(k)),
+                       key=lambda kv: (kv[0].split("/", 1)[1] == "loss", order[kv[0].split("/", 1)[0]], kv[0])))
 
 
 def results_line(metrics: dict[str, Any], monitor: str | None, output_dir: Path) -> str:
