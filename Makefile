@@ -12,10 +12,14 @@ help:  ## list targets
 
 # pyproject.toml states the supported torch range; tools/constraints/pinned.txt pins the release installed here
 $(STAMP): pyproject.toml tools/constraints/pinned.txt
-	test -x $(PY) || python3.11 -m venv .venv || python3 -m venv .venv
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c tools/constraints/pinned.txt -e '.[dev]'
-	touch $(STAMP)
+	@echo "make: setting up .venv (a Python virtual environment in this folder), once"
+	@test -x $(PY) || python3.11 -m venv .venv || python3 -m venv .venv
+	@echo "make: upgrading pip"
+	@$(PY) -m pip install --quiet --upgrade pip
+	@echo "make: installing longseq and its pinned dependencies (torch, lightning, hydra ...: a few GB, often 2 minutes or more; pip prints only errors)"
+	@$(PY) -m pip install --quiet -c tools/constraints/pinned.txt -e '.[dev]'
+	@touch $(STAMP)
+	@echo "make: installed; the next make commands start at once"
 
 install: $(STAMP)  ## create .venv and install the package with pinned dependencies (idempotent)
 

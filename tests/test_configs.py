@@ -13,6 +13,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from longseq.attention import ATTENTION_REGISTRY, AttentionConfigError, build_attention
+from longseq.preflight.trainer import check_trainer_types
 from longseq.runner import build_datamodule, build_module, build_trainer, instantiate_group
 from longseq.utils.errors import ConfigError
 
@@ -109,7 +110,7 @@ def test_trainer_options(trainer, tmp_path):
         assert cfg.trainer.accelerator == "gpu"
         with pytest.raises(ConfigError, match=rf"trainer.accelerator: '{cfg.trainer.accelerator}' asks for a device "
                                               r"this machine does not have \(present: cpu\)"):
-            build_trainer(cfg, [], [])
+            check_trainer_types(cfg.trainer)  # the pre-flight's trainer check (train.py, runner.train, eval.py)
     else:
         trainer_obj = build_trainer(cfg, [], [])
         assert trainer_obj.num_devices == cfg.trainer.devices

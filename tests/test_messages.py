@@ -175,7 +175,7 @@ def test_composition_errors_print_one_line_naming_the_key(overrides, line, capsy
     ``train.py`` before the run starts and printed in the same ``error: <key>:`` form."""
     from conftest import CONF
 
-    from longseq.utils.config import check_composition
+    from longseq.preflight.command import check_composition
 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     with pytest.raises(SystemExit) as info:
@@ -188,7 +188,7 @@ def test_composition_errors_print_one_line_naming_the_key(overrides, line, capsy
 def test_eval_composition_errors_name_the_key(capsys, monkeypatch):
     from conftest import CONF
 
-    from longseq.utils.config import check_composition
+    from longseq.preflight.command import check_composition
 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     with pytest.raises(SystemExit):
@@ -198,8 +198,9 @@ def test_eval_composition_errors_name_the_key(capsys, monkeypatch):
 
 
 # --- bad inputs refused before the run directory exists (docs/troubleshooting.md) --------------------------
-# Each is injected as a new user types it. train.py's pre-flight (resume.preflight -> config.check_run_config) and
-# eval.py's (config.check_composition -> runner.check_eval_config) run before Hydra makes a run directory: exit 1,
+# Each is injected as a new user types it. train.py's pre-flight (preflight.command.preflight_train ->
+# preflight.train.check_train_config) and eval.py's (preflight.command.check_composition ->
+# preflight.evaluate.check_eval_config) run before Hydra makes a run directory: exit 1,
 # one error line naming the key, and nothing under paths.log_dir.
 TRAIN_REFUSALS = [
     pytest.param(["trainer.devices=0"], "error: trainer.devices: expected a number of devices >= 1, -1 (all), 'auto' "
@@ -240,11 +241,11 @@ def refusal(check, capsys) -> str:
 def test_train_refuses_a_bad_value_before_the_run_directory_exists(overrides, line, tmp_path, capsys, monkeypatch):
     from conftest import CONF
 
-    from longseq.utils.resume import preflight
+    from longseq.preflight.command import preflight_train
 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     logs = tmp_path / "logs"
-    assert refusal(lambda: preflight(["train.py", *overrides, f"paths.log_dir={logs}"], CONF, "train"),
+    assert refusal(lambda: preflight_train(["train.py", *overrides, f"paths.log_dir={logs}"], CONF, "train"),
                    capsys).startswith(line)
     assert not logs.exists()
 
@@ -258,8 +259,8 @@ def test_train_refuses_a_bad_value_before_the_run_directory_exists(overrides, li
 def test_eval_refuses_a_bad_value_before_the_run_directory_exists(overrides, line, tmp_path, capsys, monkeypatch):
     from conftest import CONF
 
-    from longseq.runner import check_eval_config
-    from longseq.utils.config import check_composition
+    from longseq.preflight.command import check_composition
+    from longseq.preflight.evaluate import check_eval_config
 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     ckpt = tmp_path / "last.ckpt"

@@ -127,3 +127,54 @@ def test_an_exit_from_outside_records_interrupted_and_any_other_exit_failed(tmp_
         records_run_outcome(stopped)(SimpleNamespace(paths=SimpleNamespace(output_dir=str(tmp_path))))
     record = json.loads((tmp_path / "metrics.json").read_text())
     assert record["status"] == status and record["error"] == f"SystemExit: {code}"
+
+
+def fake_run(path: Path, task: str, overrides: list[str], best: float | None, checkpoint: str = "best.ckpt") -> Path:
+    """A single run as train.py leaves it, with a checkpoint file and its best validation score."""
+    import yaml
+
+    from longseq.report import write_run_metrics
+
+    (path / ".hydra").mkdir(parents=True)
+    (path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    (path / "config_resolved.yaml").write_text(yaml.safe_dump({"task": {"name": task, "monitor": "val/bpd",
+                                                                         "mode": "min"}}))
+    (path / "checkpoints").mkdir()
+    (path / "checkpoints" / checkpoint).write_bytes(b"weights")
+    write_run_metrics(path, {} if best is None else {"val/bpd_best": best}, "completed")
+    return path
+
+
+def test_notebooks_draw_from_the_default_runs_best_checkpoint_not_the_newest(tmp_path: Path) -> None:
+    """samples.ipynb's default: ``make train``'s run (no overrides) even when a 20-step run is newer; among runs
+    with overrides, the best val/bpd; never another task's."""
+    import os
+
+    from longseq.report.runs import default_checkpoint
+
+    runs = tmp_path / "train" / "runs"
+    default = fake_run(runs / "a", "digits", [], best=2.10)
+    worse = fake_run(runs / "b", "digits", ["trainer.max_steps=20"], best=3.90)
+    better = fake_run(runs / "c", "digits", ["model.n_layers=2"], best=2.50, checkpoint="last.ckpt")
+    fake_run(runs / "d", "mqar", [], best=0.01)
+    for age, run in enumerate((default, better, worse)):  # the 20-step run is the newest
+        os.utime(run, (1_000_000 + age, 1_000_000 + age))
+    assert default_checkpoint(tmp_path) == default / "checkpoints" / "best.ckpt"
+    (default / "checkpoints" / "best.ckpt").unlink()
+    assert default_checkpoint(tmp_path) == better / "checkpoints" / "last.ckpt"
+    assert default_checkpoint(tmp_path, "needle") is None
+
+
+def test_a_report_of_single_runs_keeps_to_one_task(tmp_path: Path) -> None:
+    """results.ipynb over logs/train/runs: recall runs are not rows of the digits table; they are counted."""
+    import os
+
+    from longseq.report.runs import runs_of_task
+
+    for i, task in enumerate(["digits", "mqar", "digits", "needle", "digits"]):
+        run = fake_run(tmp_path / str(i), task, [], best=2.0)
+        os.utime(run, (1_000_000 + i, 1_000_000 + i))
+    kept, others = runs_of_task(load_runs([tmp_path]), None)
+    assert sorted(run.path.name for run in kept) == ["0", "2", "4"] and others == {"mqar": 1, "needle": 1}
+    kept, others = runs_of_task(load_runs([tmp_path]), "mqar")
+    assert [run.path.name for run in kept] == ["1"] and others == {"digits": 3, "needle": 1}

@@ -20,10 +20,10 @@ import torch
 from conftest import CONF, ROOT, compose_config
 
 from longseq import runner
+from longseq.preflight.command import preflight_train
 from longseq.runner import evaluate, train
 from longseq.utils.checkpoint import save_atomically
 from longseq.utils.errors import ConfigError, NonFiniteError
-from longseq.utils.resume import preflight
 
 TINY = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "trainer.limit_val_batches=1",
         "trainer.limit_test_batches=1", "extras.print_config=false", "trainer.enable_progress_bar=false",
@@ -54,7 +54,7 @@ def ckpts(directory: Path) -> list[str]:
 def preflight_error(argv: list[str], capsys) -> str:
     """Run train.py's pre-flight in-process; return the one-line error it exits with."""
     with pytest.raises(SystemExit) as stop:
-        preflight(["train.py", *argv], CONF, "train")
+        preflight_train(["train.py", *argv], CONF, "train")
     assert stop.value.code == 1
     return next(line for line in capsys.readouterr().err.splitlines() if line.startswith("error: "))
 
@@ -78,14 +78,20 @@ def test_truncated_ckpt_path_is_named_by_train_and_eval(trained_run, tmp_path):
         evaluate(compose_config([f"ckpt_path={broken}"], tmp_path / "eval", config_name="eval"))
 
 
-def test_mismatched_ckpt_names_keys_and_the_runs_overrides(trained_run, capsys):
+def test_mismatched_ckpt_names_keys_and_the_runs_overrides(trained_run, tmp_path, capsys):
+    """Resuming a run with another model size names the key (a resume cannot change the model); a checkpoint outside
+    a run directory (nothing to compare the command with) names the differing parameters."""
     before = {p: p.stat().st_mtime_ns for p in (trained_run / "checkpoints").iterdir()}
     line = preflight_error([f"ckpt_path={trained_run / 'checkpoints' / 'last.ckpt'}", *TINY, "model.d_model=48"],
                            capsys)
+    assert line.startswith("error: model.d_model: cannot change when resuming: ")
+    assert "was trained with model.d_model=32 and this command gives 48" in line
+    assert {p: p.stat().st_mtime_ns for p in (trained_run / "checkpoints").iterdir()} == before
+    loose = tmp_path / "copied.ckpt"
+    loose.write_bytes((trained_run / "checkpoints" / "last.ckpt").read_bytes())
+    line = preflight_error([f"ckpt_path={loose}", *TINY, "model.d_model=48"], capsys)
     assert line.startswith("error: ckpt_path: ") and "does not match the composed model" in line
     assert "shape differs: net." in line and "32) vs (" in line and "48)" in line
-    assert str(trained_run / ".hydra" / "overrides.yaml") in line
-    assert {p: p.stat().st_mtime_ns for p in (trained_run / "checkpoints").iterdir()} == before
 
 
 def test_set_up_failure_writes_no_checkpoint(make_cfg, tmp_path):

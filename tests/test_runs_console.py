@@ -132,8 +132,9 @@ def test_bench_warns_when_another_process_keeps_the_cpu_busy():
         spinner.wait()
     assert load > BUSY_CORES  # the spinning process alone keeps about one core busy
     out = StringIO()
-    warn_if_busy(Console(file=out, width=200), load, "before the run")
+    warn_if_busy(Console(file=out, width=80), load, "before the run")  # a piped console: rich's 80 columns
     assert "warning" in out.getvalue() and "not reliable" in out.getvalue()
+    assert out.getvalue().count("\n") == 1  # one line, never broken mid-sentence
     quiet = StringIO()
     warn_if_busy(Console(file=quiet, width=200), 0.0, "before the run")
     assert quiet.getvalue() == ""
@@ -216,3 +217,16 @@ def test_readme_multirun_commands_run(tmp_path):
         out = subprocess.run([sys.executable, *command[1:], *tiny, *extra, f"paths.log_dir={tmp_path}"], cwd=ROOT,
                              capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         assert out.returncode == 0, (command, out.stderr[-3000:])
+
+
+def test_the_results_line_holds_the_headline_metrics_and_points_at_the_rest(tmp_path):
+    """A recall run's final metrics (per-bucket accuracies ...) made a 1,000-character ``results:`` line; it now
+    holds the task's monitored metric (last, best, test) and the losses, and names the file with all of them."""
+    from longseq.runner import results_line
+
+    metrics = {"val/acc": 0.91, "val/acc_best": 0.93, "test/acc": 0.9, "val/loss": 0.4, "test/loss": 0.41,
+               "ckpt_path": "x.ckpt", **{f"test/acc_gap/{i}": 0.5 for i in range(40)}}
+    line = results_line(metrics, "val/acc", tmp_path)
+    assert line == ("results: val/acc=0.9100, val/acc_best=0.9300, test/acc=0.9000, val/loss=0.4000, test/loss=0.4100 "
+                    f"(all 45 metrics: {tmp_path / 'metrics.json'})")
+    assert results_line({"val/bpd": 2.0, "test/bpd": 2.1}, "val/bpd", tmp_path) == "results: val/bpd=2.0000, test/bpd=2.1000"

@@ -23,10 +23,11 @@ from conftest import CONF, FAST, ROOT, compose_config
 from omegaconf import OmegaConf
 
 from longseq import runner
+from longseq.preflight.command import preflight_train
 from longseq.utils import rundir
 from longseq.utils.checkpoint import resolve_ckpt_path, save_atomically
 from longseq.utils.errors import ConfigError
-from longseq.utils.resume import preflight, replay, resume_requeued
+from longseq.utils.resume import replay, resume_requeued
 
 TINY = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "trainer.limit_val_batches=1",
         "trainer.limit_test_batches=1", "extras.print_config=false", "trainer.enable_progress_bar=false",
@@ -175,7 +176,7 @@ def test_resuming_a_run_that_is_still_running_fails_naming_ckpt_path(tmp_path, c
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
         with pytest.raises(SystemExit) as stop:
-            preflight(["train.py", f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}"], CONF)
+            preflight_train(["train.py", f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}"], CONF)
     finally:
         os.close(fd)
     assert stop.value.code == 1
@@ -316,11 +317,138 @@ def test_preflight_replays_the_runs_overrides_under_the_commands_own(tmp_path, c
     (run / ".hydra").mkdir()
     (run / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(trained_with))  # as Hydra records them
     ckpt = run / "checkpoints" / "last.ckpt"
-    argv = preflight(["train.py", f"ckpt_path={ckpt}", "trainer.max_steps=5"], CONF)
+    argv, checked = preflight_train(["train.py", f"ckpt_path={ckpt}", "trainer.max_steps=5",
+                                     f"paths.log_dir={run / 'logs'}"], CONF)  # compose_config's log_dir
     replayed = [o for o in trained_with if o != "trainer.max_steps=2"]
-    assert argv[1:len(replayed) + 1] == replayed  # model.n_heads=4 too: without it the model would not match
-    assert argv[len(replayed) + 1:len(replayed) + 3] == ["trainer.max_steps=5", f"ckpt_path={ckpt}"]
+    assert checked and argv[1:len(replayed) + 1] == replayed  # model.n_heads=4 too: the model must match
+    assert argv[len(replayed) + 1:len(replayed) + 4] == ["trainer.max_steps=5", f"paths.log_dir={run / 'logs'}",
+                                                        f"ckpt_path={ckpt}"]
     assert argv[-2] == f"hydra.run.dir={run}" and argv[-1].startswith("hydra.output_subdir=.hydra/resume-")
     err = capsys.readouterr().err
     assert f"resume: replaying {run / '.hydra' / 'overrides.yaml'}: {' '.join(replayed)}" in err
-    assert "resume: this command changes trainer.max_steps=5 (was trainer.max_steps=2)" in err
+    assert ("resume: this command changes trainer.max_steps 2 -> 5 (optimizer and scheduler settings apply from the "
+            "resumed step)") in err
+
+
+# --- what a resuming command changes ------------------------------------------------------------------------------
+
+
+def csv_rows(path: Path, column: str) -> dict[int, float]:
+    """``{step: value}`` of one column of a Lightning ``metrics.csv`` (rows without it skipped)."""
+    import csv
+
+    with path.open() as f:
+        return {int(row["step"]): float(row[column]) for row in csv.DictReader(f) if row.get(column)}
+
+
+def schedule_factor(total_steps: int, **kwargs) -> callable:
+    """The factor ``conf/scheduler/cosine.yaml``'s schedule gives each step (``warmup_cosine``'s own lambda)."""
+    from longseq.tasks.schedules import warmup_cosine
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    return warmup_cosine(optimizer, total_steps, **kwargs).lr_lambdas[0]
+
+
+def trained_run_dir(run: Path, overrides: list[str]) -> None:
+    """A finished in-process run at ``run`` with Hydra's record of its overrides (what train.py leaves)."""
+    runner.train(compose_config(overrides, run, fast=False))
+    (run / ".hydra").mkdir()
+    (run / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(overrides))
+
+
+def resume(argv: list[str], run: Path) -> tuple[list[str], bool]:
+    """train.py for a resuming command, in-process: the pre-flight, then the job it hands to Hydra, and Hydra's record
+    of it (``.hydra/resume-<time>/overrides.yaml``, which the next resume replays)."""
+    rewritten, checked = preflight_train(["train.py", *argv, f"paths.log_dir={run / 'logs'}"], CONF)  # compose_config's
+    job = [a for a in rewritten[1:] if not a.startswith("hydra.")]
+    runner.train(compose_config(job, run, fast=False), checked=checked)
+    record = run / ".hydra" / f"resume-{len(list((run / '.hydra').glob('resume-*'))):04d}" / "overrides.yaml"
+    record.parent.mkdir()
+    record.write_text(OmegaConf.to_yaml(job))
+    return rewritten, checked
+
+
+RESUMABLE = [o for o in FAST if not o.startswith("trainer.max_steps=")] + [
+    "optimizer.lr=0.002", "scheduler.warmup_steps=2", "scheduler.min_lr_ratio=0.1", "trainer.log_every_n_steps=1",
+    "test=false", "callbacks.samples.n_samples=0", "callbacks.attention_maps.enabled=false"]
+
+
+def test_a_resume_trains_with_the_commands_learning_rate_from_the_resumed_step(tmp_path, capsys, caplog):
+    """``ckpt_path=<run> optimizer.lr=1e-5``: the logged ``train/lr`` is 1e-5 x the schedule's factor from the resumed
+    step on (it used to stay the checkpoint's); the steps before it keep the old rate, the optimizer its moments."""
+    caplog.set_level("INFO", logger="longseq.callbacks.resume")
+    run = tmp_path / "run"
+    trained_run_dir(run, [*RESUMABLE, "trainer.max_steps=4"])
+    before = csv_rows(run / "csv" / "metrics.csv", "train/lr")
+    old = schedule_factor(4, warmup_steps=2, min_lr_ratio=0.1)
+    assert before == pytest.approx({step: 0.002 * old(step) for step in range(4)})
+
+    resume([f"ckpt_path={run}", "trainer.max_steps=8", "optimizer.lr=1e-5", "scheduler.min_lr_ratio=0.5"], run)
+    err = capsys.readouterr().err
+    assert ("resume: this command changes optimizer.lr 0.002 -> 1e-05, scheduler.min_lr_ratio 0.1 -> 0.5, "
+            "trainer.max_steps 4 -> 8 (optimizer and scheduler settings apply from the resumed step)") in err
+    after = csv_rows(run / "csv" / "resume1" / "metrics.csv", "train/lr")
+    new = schedule_factor(8, warmup_steps=2, min_lr_ratio=0.5)
+    assert after == pytest.approx({step: 1e-5 * new(step) for step in range(4, 8)}, rel=1e-6)
+    (applied,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resume: from step")]
+    assert applied == (f"resume: from step 4 the optimizer runs with optimizer.lr 0.002 -> 1e-05; train/lr is "
+                       f"{1e-5 * new(4):.4g} = optimizer.lr x {new(4):.4g}, the schedule's factor at step 4")
+
+
+def test_a_resume_applies_optimizer_hyperparameters_and_keeps_the_rest_exact(tmp_path):
+    """Weight decay and betas from the command reach the restored parameter groups (the no-decay group keeps 0);
+    a resume that changes nothing continues the schedule exactly where the checkpoint left it."""
+    run = tmp_path / "run"
+    trained_run_dir(run, [*RESUMABLE, "trainer.max_steps=2"])
+    seen = {}
+
+    class Probe(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            seen.setdefault(trainer.global_step, [dict(g) for g in trainer.optimizers[0].param_groups])
+
+    original = runner.instantiate_group
+    try:
+        runner.instantiate_group = lambda group: original(group) + ([Probe()] if group and "model_checkpoint" in group
+                                                                    else [])
+        resume([f"ckpt_path={run}", "trainer.max_steps=3", "optimizer.weight_decay=0.3", "optimizer.betas=[0.8,0.9]"],
+               run)
+        decay, no_decay = seen[2]
+        assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.3, 0.0)
+        assert list(decay["betas"]) == list(no_decay["betas"]) == [0.8, 0.9]
+        resume([f"ckpt_path={run}", "trainer.max_steps=4"], run)  # only longer: the learning rate is the schedule's
+    finally:
+        runner.instantiate_group = original
+    factor = schedule_factor(4, warmup_steps=2, min_lr_ratio=0.1)
+    assert seen[3][0]["lr"] == 0.002 * factor(3)  # bit for bit what the schedule gives that step
+    assert seen[3][0]["weight_decay"] == 0.3  # the run's own settings now: replayed from its last resume
+
+
+@pytest.mark.parametrize("override,key,old,new", [
+    ("model.d_model=64", "model.d_model", "32", "64"),
+    ("attention=local", "attention.name", "full", "local"),
+    ("task.seq_len=32", "task.seq_len", "64", "32"),
+])
+def test_a_resume_refuses_to_change_the_model_or_the_tasks_geometry(override, key, old, new, tmp_path, capsys):
+    run = tmp_path / "run"
+    trained_run_dir(run, [*RESUMABLE, "trainer.max_steps=2"])
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    with pytest.raises(SystemExit) as stop:
+        preflight_train(["train.py", f"ckpt_path={run}", override], CONF)
+    assert stop.value.code == 1
+    (line,) = [text for text in capsys.readouterr().err.splitlines() if text.startswith("error: ")]
+    assert line.startswith(f"error: {key}: cannot change when resuming: {run / 'checkpoints' / 'last.ckpt'} was "
+                           f"trained with {key}={old} and this command gives {new}")
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+
+
+def test_resuming_a_completed_run_says_so_and_writes_nothing(tmp_path, capsys):
+    run = tmp_path / "run"
+    trained_run_dir(run, [*RESUMABLE, "trainer.max_steps=2"])
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    with pytest.raises(SystemExit) as stop:
+        preflight_train(["train.py", f"ckpt_path={run}"], CONF)
+    assert stop.value.code == 0
+    err = capsys.readouterr().err
+    assert (f"resume: {run} is complete: last.ckpt is at step 2 of trainer.max_steps=2 and its results are in "
+            f"{run / 'metrics.json'}; nothing to train") in err
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before  # no csv/resume1, no re-test

@@ -363,17 +363,20 @@ def test_training_sample_grid_refuses_a_task_that_cannot_sample_images(make_cfg,
         SampleImages(str(tmp_path), every_n_epochs=0)
 
 
-def test_eval_mode_sample_names_the_key_for_a_task_that_cannot_generate(monkeypatch, tmp_path: Path) -> None:
-    """A classifier checkpoint under ``mode=sample``: one ``mode`` error pointing to ``mode=evaluate``, nothing
-    written."""
-    import longseq.runner as runner
+def test_eval_mode_sample_names_the_key_for_a_task_that_cannot_generate(tmp_path: Path) -> None:
+    """A classifier checkpoint under ``mode=sample``: one ``mode`` error pointing to ``mode=evaluate`` (from the run's
+    ``task.module._target_``, before the checkpoint is loaded), nothing written."""
+    from omegaconf import OmegaConf
+
+    from longseq.utils.checkpoint import save_atomically
     from longseq.utils.errors import ConfigError
 
-    classifier = runner.build_module(compose_config(["task=lra_listops", "task.seq_len=64"], tmp_path / "run"))
-    monkeypatch.setattr(runner, "load_checkpoint_run", lambda cfg, map_location="cpu": (None, classifier))
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "last.ckpt"
+    save_atomically({"global_step": 1, "state_dict": {}}, ckpt)
+    (run / "config_resolved.yaml").write_text(OmegaConf.to_yaml(
+        {"task": {"name": "lra_listops", "module": {"_target_": "longseq.tasks.classify.ClassificationTask"}}}))
     out = tmp_path / "figures"
-    ckpt = tmp_path / "x.ckpt"
-    ckpt.touch()  # present (eval.py checks that first); its content never read: load_checkpoint_run is replaced
     ecfg = compose_config([f"ckpt_path={ckpt}", "mode=sample", f"sample.out_dir={out}"], tmp_path / "eval",
                           config_name="eval")
     with pytest.raises(ConfigError, match=r"^mode: sample needs an image density or a causal LM task; "

@@ -60,7 +60,8 @@ def test_a_run_shorter_than_its_warm_up_says_so(make_cfg, caplog):
     train(make_cfg(["trainer.max_steps=3", "scheduler.warmup_steps=30", "test=false"]))
     (warning,) = [r.getMessage() for r in caplog.records if "warmup_steps" in r.getMessage()]
     assert warning == ("scheduler.warmup_steps=30 is longer than this run (3 optimizer steps): the learning rate never "
-                       "finishes its warm-up (it ends at 0.0003 of optimizer.lr=0.003); lower scheduler.warmup_steps "
+                       "finishes its warm-up (the last step's learning rate is 0.0003, 10% of optimizer.lr=0.003); lower "
+                       "scheduler.warmup_steps "
                        "or raise trainer.max_steps")
     caplog.clear()
     train(make_cfg(["trainer.max_steps=3", "scheduler.warmup_steps=3", "test=false"]))

@@ -6,12 +6,12 @@ or ``evaluate``. Both return a dict of final metrics.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import logging
 import math
-import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import hydra
 import lightning as L
@@ -26,22 +26,24 @@ from torchmetrics import Metric
 from longseq.attention.ops.dispatch import attention_backends, backend_summary
 from longseq.callbacks.nonfinite import resume_advice
 from longseq.callbacks.progress import console_callbacks
-from longseq.report.outcome import records_run_outcome
+from longseq.callbacks.resume import ResumedOptimization
+from longseq.preflight.evaluate import EVAL_MODES, EVAL_SPLITS, check_eval_config, check_eval_mode  # noqa: F401
+from longseq.preflight.train import check_train_config
+from longseq.preflight.trainer import trainer_error
+from longseq.report.outcome import METRICS_FILE, records_run_outcome
 from longseq.utils.build import build_datamodule, build_module
-from longseq.utils.checkpoint import AtomicCheckpointIO, checkpoint_step, read_checkpoint
-from longseq.utils.config import (
-    check_batch_sizes,
-    check_run_config,
-    check_seed,
-    check_trainer_types,
-    ensure_csv_logger,
-    register_resolvers,
-    trainer_arguments,
+from longseq.utils.checkpoint import (  # noqa: F401 - load_run_config / run_directory: the notebooks import them here
+    AtomicCheckpointIO,
+    checkpoint_step,
+    load_run_config,
+    read_checkpoint,
+    run_directory,
 )
+from longseq.utils.config import ensure_csv_logger, register_resolvers
 from longseq.utils.console import quiet_lightning
-from longseq.utils.errors import ConfigError, NonFiniteError
+from longseq.utils.errors import NonFiniteError, names_what_to_fix
 from longseq.utils.resume import continue_loggers, resuming_in_place
-from longseq.utils.rundir import RESOLVED_CONFIG
+from longseq.utils.rundir import RESOLVED_CONFIG, discard_created, rank_zero
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +55,8 @@ def instantiate_group(group: DictConfig | None) -> list[Any]:
 
 
 def build_trainer(cfg: DictConfig, callbacks: list, loggers: list[Logger]) -> L.Trainer:
-    """The Trainer of ``cfg.trainer`` (types checked first), with atomic checkpoint writes, the step bar and the
-    model summary."""
-    check_trainer_types(cfg.trainer)
+    """The Trainer of ``cfg.trainer`` (checked before the run: ``preflight``), with atomic checkpoint writes, the
+    step bar and the model summary."""
     quiet_lightning()
     callbacks = console_callbacks(cfg.trainer, callbacks)  # the step bar and the compact model summary
     extra = {}
@@ -71,15 +72,6 @@ def build_trainer(cfg: DictConfig, callbacks: list, loggers: list[Logger]) -> L.
         if isinstance(exc.__cause__, (MisconfigurationException, ValueError, TypeError)):
             raise trainer_error(exc.__cause__) from exc  # a setting Lightning refuses (fsdp on the CPU ...)
         raise
-
-
-def trainer_error(exc: BaseException) -> ConfigError:
-    """Lightning's refusal of a Trainer setting as a ``ConfigError`` naming the ``trainer.<key>`` its message names
-    first (``trainer`` when it names none), for the settings no check of ``check_trainer_types`` covers."""
-    message = " ".join(str(exc).split()) or type(exc).__name__
-    found = [(match.start(), name) for name in trainer_arguments()
-             if (match := re.search(rf"(?<![\w.])`?{name}\b", message, flags=re.IGNORECASE))]
-    return ConfigError(f"trainer.{min(found)[1]}" if found else "trainer", message)
 
 
 def close_loggers() -> None:
@@ -110,16 +102,37 @@ def metric_value(metrics: dict[str, Any], name: str | None, trained: bool = True
 
 
 @records_run_outcome  # writes <run>/metrics.json (final metrics + completed/failed) for longseq.report
-def train(cfg: DictConfig) -> dict[str, float]:
+def train(cfg: DictConfig, checked: bool = False) -> dict[str, float]:
     """Fit (optionally resuming ``cfg.ckpt_path``) then test the best checkpoint; returns final metrics.
 
-    Everything the run writes goes under ``cfg.paths.output_dir`` (the Hydra run directory). ``ckpt_path``
-    and the trainer keys are checked before anything is written.
+    Everything the run writes goes under ``cfg.paths.output_dir`` (the Hydra run directory). The config passes
+    ``preflight.train.check_train_config`` before anything is written (``checked``: ``train.py`` checked it before
+    Hydra made the run directory; the other ranks of a DDP job share their rank 0's check). A refusal that only the
+    run can find (a data split too small for the batch ...) removes the run directory this process made for it, if
+    nothing was trained (``utils.rundir.discard_created``).
     """
     register_resolvers()
-    check_run_config(cfg)
-    ensure_csv_logger(cfg)  # every run's curves in <run>/csv/metrics.csv (extras.csv_metrics)
+    if not checked and rank_zero():
+        check_train_config(cfg)
     output_dir = Path(cfg.paths.output_dir)
+    try:
+        return fit_and_test(cfg, output_dir)
+    except Exception as exc:
+        if refused_before_training(exc, cfg, getattr(exc, "trained_steps", 0)):
+            discard_created(output_dir)
+        raise
+
+
+def refused_before_training(exc: BaseException, cfg: DictConfig, trained_steps: int) -> bool:
+    """A refusal that names what to fix, raised by a fresh run before its first optimizer step: nothing to keep."""
+    fresh = not cfg.get("ckpt_path")
+    return fresh and trained_steps == 0 and names_what_to_fix(exc) and not isinstance(exc, NonFiniteError)
+
+
+def fit_and_test(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
+    """``train``'s run: set up the run directory, fit, validate the final weights, test; an exception leaving it
+    carries ``trained_steps`` (the optimizer steps taken)."""
+    ensure_csv_logger(cfg)  # every run's curves in <run>/csv/metrics.csv (extras.csv_metrics)
     output_dir.mkdir(parents=True, exist_ok=True)
     if resuming_in_place(cfg):
         log.info(f"resuming in place: {output_dir} from {cfg.ckpt_path}")
@@ -131,9 +144,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
     datamodule = build_datamodule(cfg)
     module = build_module(cfg)
     callbacks = instantiate_group(cfg.get("callbacks"))
+    if cfg.get("ckpt_path"):
+        callbacks.append(ResumedOptimization())  # the command's optimizer / schedule settings win over the restored
     loggers = instantiate_group(cfg.get("logger"))
     trainer = build_trainer(cfg, callbacks, loggers)
-    check_batch_sizes(cfg, trainer.world_size)  # as Lightning counts the devices, before a spawned fit starts
     trained = bool(cfg.get("train", True))
     try:
         for logger in loggers:
@@ -157,6 +171,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
         return metrics
     except NonFiniteError as exc:
         exc.kept = resume_advice(output_dir / "checkpoints")  # its loss and max |w|; warns if already diverging
+        raise
+    except Exception as exc:
+        exc.trained_steps = trainer.global_step  # type: ignore[attr-defined] - read by train (a refusal or a failure)
         raise
     except SIGTERMException:
         # Preempted: InterruptedCheckpoint has written checkpoints/interrupted.ckpt; resume from it.
@@ -282,22 +299,6 @@ def test_checkpoint(cfg: DictConfig, trainer: L.Trainer, trained: bool) -> str |
     return best or last_checkpoint(trainer)
 
 
-def run_directory(ckpt_path: str | Path, run_dir: str | Path | None = None) -> Path:
-    """The training run a checkpoint belongs to: ``run_dir`` when given, else the checkpoint's grandparent."""
-    return Path(run_dir) if run_dir else Path(ckpt_path).resolve().parent.parent
-
-
-def load_run_config(ckpt_path: str | Path, run_dir: str | Path | None = None) -> DictConfig:
-    """The resolved config a checkpoint was trained with (``<run>/config_resolved.yaml``)."""
-    ckpt_path = Path(ckpt_path)
-    run_dir = run_directory(ckpt_path, run_dir)
-    path = run_dir / RESOLVED_CONFIG
-    if not path.is_file():
-        raise ConfigError("run_dir", f"{path} not found: {ckpt_path} is not inside a training run directory "
-                                     f"(<run>/checkpoints/); pass run_dir=<the run directory that holds {RESOLVED_CONFIG}>")
-    return OmegaConf.load(path)
-
-
 def load_checkpoint_run(cfg: DictConfig, map_location: str = "cpu") -> tuple[L.LightningDataModule, L.LightningModule]:
     """The datamodule and the trained module of ``cfg.ckpt_path``, built from its run's saved config (eval.py)."""
     register_resolvers()
@@ -311,74 +312,71 @@ def load_checkpoint_run(cfg: DictConfig, map_location: str = "cpu") -> tuple[L.L
 
 
 @records_run_outcome  # <eval run>/metrics.json: the metrics eval.py printed, and its status
-def evaluate(cfg: DictConfig) -> dict[str, float]:
-    """Test ``cfg.ckpt_path`` on its own task (val or test split) with the run's saved config."""
-    check_eval_config(cfg)
-    datamodule, module = load_checkpoint_run(cfg)
-    loggers = instantiate_group(cfg.get("logger"))
-    trainer = build_trainer(cfg, [], loggers)
+def evaluate(cfg: DictConfig, checked: bool = False) -> dict[str, float]:
+    """Test ``cfg.ckpt_path`` on its own task (val or test split) with the run's saved config (``checked``: eval.py
+    checked ``cfg`` before Hydra made the run directory). A refusal from inside removes the run directory this
+    process made for it."""
+    if not checked:
+        check_eval_config(cfg)
+    with refusal_discards(cfg):
+        datamodule, module = load_checkpoint_run(cfg)
+        loggers = instantiate_group(cfg.get("logger"))
+        trainer = build_trainer(cfg, [], loggers)
+        try:
+            run = trainer.validate if cfg.get("split", "test") == "val" else trainer.test
+            run(module, datamodule=datamodule, verbose=False)
+            return {k: float(v) for k, v in trainer.callback_metrics.items()}
+        finally:
+            close_loggers()
+
+
+@contextlib.contextmanager
+def refusal_discards(cfg: DictConfig) -> Iterator[None]:
+    """An error naming what to fix, raised inside: the eval run directory this process made goes (it holds nothing
+    but its log); ``utils.rundir.discard_created`` leaves any other directory alone."""
     try:
-        run = trainer.validate if cfg.get("split", "test") == "val" else trainer.test
-        run(module, datamodule=datamodule, verbose=False)
-        return {k: float(v) for k, v in trainer.callback_metrics.items()}
-    finally:
-        close_loggers()
+        yield
+    except Exception as exc:
+        if names_what_to_fix(exc) and not isinstance(exc, NonFiniteError):
+            discard_created(Path(cfg.paths.output_dir))
+        raise
 
 
-EVAL_MODES = ("evaluate", "sample")  # eval.py mode=
-EVAL_SPLITS = ("test", "val")  # eval.py split=
-
-
-def check_eval_mode(mode: Any) -> str:
-    """``mode`` of ``eval.py`` when valid, else a ``ConfigError`` naming the key and the valid values."""
-    if mode not in EVAL_MODES:
-        raise ConfigError("mode", f"{mode!r} is not valid; choose one of {EVAL_MODES}")
-    return mode
-
-
-def check_eval_config(cfg: DictConfig) -> None:
-    """Every check an ``eval.py`` config passes or fails on its own: ``ckpt_path`` given and present,
-    ``mode`` and ``split`` valid, the seed and the trainer keys. ``eval.py`` runs it before Hydra makes its run
-    directory; ``evaluate`` and ``sample`` run it again."""
-    if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.get("ckpt_path"):
-        raise ConfigError("ckpt_path", "is required: python eval.py ckpt_path=<run>/checkpoints/best.ckpt (a run "
-                                       "directory stands for its best.ckpt, else last.ckpt)")
-    if not Path(cfg.ckpt_path).exists():
-        read_checkpoint(cfg.ckpt_path)  # names the missing file and what its folder holds
-    check_eval_mode(cfg.get("mode", "evaluate"))
-    if cfg.get("split", "test") not in EVAL_SPLITS:
-        raise ConfigError("split", f"{cfg.split!r} is not valid; choose one of {EVAL_SPLITS}")
-    check_seed(cfg.get("seed"))
-    check_trainer_types(cfg.trainer)
-
-
-def sample(cfg: DictConfig) -> dict[str, str]:
+def sample(cfg: DictConfig, checked: bool = False) -> dict[str, str]:
     """``eval.py mode=sample``: generate from ``cfg.ckpt_path`` with the config of the run that produced it.
 
     Image tasks write ``samples.png``, ``samples.npz`` and ``completions.png``; LM tasks print their
     continuations of ``sample.prompt`` and save ``samples.txt`` (``longseq.tasks.sampling``). Everything goes to
     ``sample.out_dir`` (default ``<run>/samples/``; a relative path is inside ``<run>/``). Returns the written
-    files by name.
+    files by name. ``checked``: as for ``evaluate``.
     """
-    from longseq.models.transformer import check_positive_int
-    from longseq.tasks.sampling import sample_out_dir, write_image_samples, write_text_samples
+    if not checked:
+        check_eval_config(cfg)
+    with refusal_discards(cfg):
+        return draw_samples(cfg)
 
-    check_eval_config(cfg)
+
+def draw_samples(cfg: DictConfig) -> dict[str, str]:
+    """``sample``'s work, on a checked config."""
+    from longseq.tasks.sampling import (
+        check_can_sample,
+        sample_out_dir,
+        write_image_samples,
+        write_text_samples,
+    )
+
     spec = cfg.sample
-    for key in ("n", "k", "tokens"):
-        if spec.get(key) is not None:
-            check_positive_int(f"sample.{key}", spec[key])
     out_dir = sample_out_dir(spec.get("out_dir"), run_directory(cfg.ckpt_path, cfg.get("run_dir")))
     device = "cuda" if torch.cuda.is_available() and cfg.trainer.get("accelerator") in ("auto", "gpu", "cuda") else "cpu"
     datamodule, module = load_checkpoint_run(cfg, map_location=device)
     module.eval()
     generator = torch.Generator(device=device).manual_seed(int(cfg.get("seed") or 0))
+    check_can_sample(type(module))
     image_task = hasattr(module, "num_levels") and callable(getattr(module, "sample", None))
-    if not image_task and not callable(getattr(module, "generate", None)):
-        raise ConfigError("mode", f"sample needs an image density or a causal LM task; {type(module).__name__} "
-                                  "(task.module._target_ of the run) cannot generate: use mode=evaluate")
     out_dir.mkdir(parents=True, exist_ok=True)
     if image_task:
+        if spec.get("top_k") is not None:
+            log.warning(f"sample.top_k={spec.top_k} applies to LM tasks only; an image task samples among every level")
         return write_image_samples(module, datamodule, n=spec.n or 16, temperature=spec.temperature,
                                    cache=bool(spec.cache), out_dir=out_dir, generator=generator,
                                    completions=int(spec.completions), k=int(spec.k),
@@ -387,6 +385,33 @@ def sample(cfg: DictConfig) -> dict[str, str]:
                        temperature=spec.temperature, top_k=spec.top_k, cache=bool(spec.cache), out_dir=out_dir,
                        generator=generator)
     return {"samples.txt": str(out_dir / "samples.txt")}
+
+
+def headline_metrics(metrics: dict[str, Any], monitor: str | None) -> dict[str, float]:
+    """The final metrics worth a console line: the task's monitored metric on validation (its last and best value)
+    and on test, its variants (``test/trams_bpc`` beside ``test/bpc``), and the loss of each split; every other
+    metric (a recall task's per-bucket accuracies ...) stays in ``<run>/metrics.json``. Without a monitor: every
+    val/ and test/ metric."""
+    numbers = {k: v for k, v in metrics.items() if k.startswith(("test/", "val/")) and isinstance(v, float)}
+    if not monitor:
+        return dict(sorted(numbers.items()))
+    name = monitor.split("/", 1)[-1]
+
+    def headline(key: str) -> bool:
+        leaf = key.split("/", 1)[1]
+        return leaf in (name, f"{name}_best", "loss") or leaf.endswith(f"_{name}")
+
+    order = {"val": 0, "test": 1}
+    return dict(sorted(((k, v) for k, v in numbers.items() if headline(k)),
+                       key=lambda kv: (kv[0].split("/", 1)[1] == "loss", order[kv[0].split("/", 1)[0]], kv[0])))
+
+
+def results_line(metrics: dict[str, Any], monitor: str | None, output_dir: Path) -> str:
+    """``results: val/acc=0.9912, val/acc_best=0.9950, test/acc=0.9901 (all 31 metrics: <run>/metrics.json)``."""
+    shown = headline_metrics(metrics, monitor)
+    total = sum(1 for k in metrics if k.startswith(("test/", "val/")))
+    more = f" (all {total} metrics: {output_dir / METRICS_FILE})" if total > len(shown) else ""
+    return "results: " + ", ".join(f"{k}={v:.4f}" for k, v in shown.items()) + more
 
 
 def set_float32_precision() -> None:

@@ -78,8 +78,10 @@ def other_cpu_load(seconds: float = 1.0) -> float:
 def warn_if_busy(console: Console, load: float, when: str) -> None:
     """Print a warning when other processes used the CPU: the timings of this run are then not comparable."""
     if load > BUSY_CORES:
+        # soft_wrap: one line that the terminal folds, never rich's hard breaks at 80 columns in a piped log
         console.print(f"[bold red]warning[/bold red]: other processes kept {load:.2f} of {os.cpu_count()} cores busy "
-                      f"{when}; timings and ratios from this run are not reliable (rerun on a quiet machine)")
+                      f"{when}; timings and ratios from this run are not reliable (rerun on a quiet machine)",
+                      soft_wrap=True)
 
 
 def run_benchmark(cfg: DictConfig, console: Console | None = None) -> Path:
@@ -103,11 +105,11 @@ def run_benchmark(cfg: DictConfig, console: Console | None = None) -> Path:
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     console.rule("longseq.bench")
     for key, value in env.items():
-        console.print(f"[bold]{key}[/bold]: {value}")
+        console.print(f"[bold]{key}[/bold]: {value}", soft_wrap=True)
     warn_if_busy(console, env["other_cpu_load_before"], "before the run")
-    console.print(f"attentions ({len(names)}): {', '.join(names)}")
+    console.print(f"attentions ({len(names)}): {', '.join(names)}", soft_wrap=True)
     console.print(f"lengths: {lengths}  modes: {modes}  B={cfg.batch} H={cfg.heads} D={cfg.head_dim} "
-                  f"dtype={cfg.dtype} causal={cfg.causal} repeats={cfg.repeats} budget_s={cfg.budget_s}")
+                  f"dtype={cfg.dtype} causal={cfg.causal} repeats={cfg.repeats} budget_s={cfg.budget_s}", soft_wrap=True)
 
     rows: list[dict[str, Any]] = []
     for name in names:

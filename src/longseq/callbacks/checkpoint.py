@@ -10,7 +10,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from longseq.utils.errors import NonFiniteError
+from longseq.utils.errors import ConfigError, NonFiniteError
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +42,14 @@ class RunCheckpoint(ModelCheckpoint):
         kwargs.setdefault("enable_version_counter", False)
         kwargs.setdefault("save_on_train_epoch_end", False)  # saves follow validation; on_train_end writes last
         super().__init__(*args, **kwargs)
+        for key, value, kind in (("every_n_train_steps", every_n_train_steps, int),
+                                 ("train_time_interval", train_time_interval, (int, float))):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, kind) or value < 0):
+                what = "an integer number of steps" if kind is int else "a number of seconds"
+                raise ConfigError(f"callbacks.model_checkpoint.{key}", f"must be {what} >= 0 (null or 0: off), got "
+                                                                       f"{value!r}")
         self.periodic_steps = int(every_n_train_steps or 0)
         self.periodic_seconds = float(train_time_interval or 0)
-        if self.periodic_steps < 0 or self.periodic_seconds < 0:
-            raise ValueError("callbacks.model_checkpoint.every_n_train_steps and train_time_interval must be >= 0")
         self._last_periodic = time.monotonic()
         self._periodic_step = -1
 

@@ -8,6 +8,7 @@ from typing import Any, Callable
 from torch.utils.data import DataLoader, Dataset
 
 from longseq.data.validation import MIN_EVAL_EXAMPLES, check_split_size
+from longseq.utils.errors import ConfigError
 
 
 def per_device_batch_size(global_batch: int, world_size: int, accumulate: int = 1, key: str = "task.data.batch_size") -> int:
@@ -22,6 +23,28 @@ def per_device_batch_size(global_batch: int, world_size: int, accumulate: int = 
             f"accumulate_grad_batches = {world_size} x {accumulate} = {denom}"
         )
     return global_batch // denom
+
+
+def check_loader_arguments(batch_size: Any, eval_batch_size: Any = None, num_workers: Any = 0, seed: Any = 0,
+                           key: Callable[[str], str] = lambda name: f"task.data.{name}") -> None:
+    """The arguments every datamodule takes for its loaders, checked before anything is read: the global
+    ``batch_size`` an integer >= 1, ``eval_batch_size`` null or one, ``num_workers`` an integer >= 0 (the
+    DataLoader's rule) and ``seed`` an integer >= 0 (NumPy's). ``key(name)`` is the key the user typed for
+    ``task.data.<name>`` (``task.batch_size``: the task YAMLs interpolate it)."""
+
+    def integer(value: Any, low: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+    if not integer(batch_size, 1):
+        raise ConfigError(key("batch_size"), f"must be an integer >= 1 (the global batch), got {batch_size!r}")
+    if eval_batch_size is not None and not integer(eval_batch_size, 1):
+        raise ConfigError(key("eval_batch_size"), f"must be null (= the batch size) or an integer >= 1, got "
+                                                  f"{eval_batch_size!r}")
+    if not integer(num_workers, 0):
+        raise ConfigError(key("num_workers"), f"must be an integer >= 0 (0: load in the main process), got "
+                                              f"{num_workers!r}")
+    if not integer(seed, 0):
+        raise ConfigError(key("seed"), f"must be an integer >= 0, got {seed!r}")
 
 
 def device_batches(trainer: Any, batch_size: int, eval_batch_size: int, accumulate: int) -> tuple[int, int, int, int]:

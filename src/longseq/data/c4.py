@@ -34,6 +34,7 @@ from longseq.data.text import (
     IGNORE_INDEX,
     PAD_ID,
     EvalShardSampler,
+    check_hf_source,
     load_hf_split,
     load_sentencepiece,
     load_token_cache,
@@ -189,6 +190,10 @@ class C4MLMDataModule(L.LightningDataModule):
     def eval_cache(self, split: str) -> Path:
         docs = self.val_docs if split == "val" else self.test_docs
         return self.root / f"spm{self.vocab_size}" / f"{split}_L{self.seq_len}_docs{docs}.npy"
+
+    def check_data(self) -> None:
+        """C4 can be read (``text.check_hf_source``): its training documents are streamed at every run."""
+        check_hf_source(**self.source)
 
     def prepare_data(self) -> None:
         """Train SentencePiece on the first training documents, pack the val / test documents (each once)."""

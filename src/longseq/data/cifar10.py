@@ -92,7 +92,12 @@ class Cifar10DataModule(ImageDensityDataModule):
         )
 
     def prepare_data(self) -> None:
-        """Make sure the batches are on disk: download (with md5 check) if allowed, else fail clearly."""
+        self.check_data()
+
+    def check_data(self) -> None:
+        """The batches are on disk: downloaded here (with the md5 check) when ``task.data.download`` allows, else a
+        ``FileNotFoundError`` saying what to place where (the pre-flight calls this before the run directory
+        exists)."""
         if self._files_ok():
             return
         if not self.download:

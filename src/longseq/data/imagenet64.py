@@ -156,6 +156,11 @@ class ImageNet64DataModule(ImageDensityDataModule):
         path = self.cache_dir / "manifest.json"
         return json.loads(path.read_text()) if path.is_file() else None
 
+    def check_data(self) -> None:
+        """The release files are on disk (``FileNotFoundError`` naming every missing one); the cache is built later,
+        by ``prepare_data``."""
+        self.release_files()
+
     def prepare_data(self) -> None:
         """Convert the release files into the memory-mappable HWC cache (once; rank 0 under Lightning)."""
         self._ensure_cache()

@@ -290,6 +290,26 @@ class ByteCorpusDataModule(TokenStreamDataModule):
                 f"{self.name}/{self.member}.zip, or train on a local file with task.data.path=<file>.")
 
     def prepare_data(self) -> None:
+        self.check_data()
+
+    def check_data(self) -> None:
+        """The raw byte file is on disk (extracted from its zip, which is downloaded first when allowed) and its size
+        can be split (``corpus_size``); else an error saying what to place where. The pre-flight calls this before
+        the run directory exists."""
+        self.fetch()
+        self.corpus_size()
+
+    def corpus_size(self) -> int:
+        """Bytes in the corpus file: not empty, of the standard size (``task.data.verify_size``; not for a
+        ``task.data.path`` file) and enough for the train / val / test split (``split_bounds``)."""
+        size = check_file_not_empty(self.raw_file, "corpus file").stat().st_size
+        if self.path is None and self.verify_size and size != self.expected_bytes:
+            raise DataError(self.raw_file, f"has {size} bytes, the standard {self.member} has "
+                                           f"{self.expected_bytes} (task.data.verify_size=false accepts it)")
+        split_bounds(size, source=self.raw_file)
+        return size
+
+    def fetch(self) -> None:
         """Make sure the raw byte file exists: extract the zip, downloading it first when allowed."""
         if self.path is not None:
             self.check_local_file()
@@ -321,12 +341,9 @@ class ByteCorpusDataModule(TokenStreamDataModule):
         return raw
 
     def load_split(self, split: str) -> np.ndarray:
-        self.prepare_data()
-        raw = np.memmap(check_file_not_empty(self.raw_file, "corpus file"), dtype=np.uint8, mode="r")
-        if self.path is None and self.verify_size and len(raw) != self.expected_bytes:
-            raise DataError(self.raw_file, f"has {len(raw)} bytes, the standard {self.member} has "
-                                           f"{self.expected_bytes} (task.data.verify_size=false accepts it)")
-        start, stop = split_bounds(len(raw), source=self.raw_file)[split]
+        self.fetch()
+        start, stop = split_bounds(self.corpus_size(), source=self.raw_file)[split]
+        raw = np.memmap(self.raw_file, dtype=np.uint8, mode="r")
         part = raw[start:stop]
         if self.drop_newlines:
             part = part[part != ord("\n")]
@@ -391,20 +408,40 @@ def load_hf_split(saved_dir: Path, hub_name: str, hub_config: str, split: str, c
         if hf_split not in saved:
             raise FileNotFoundError(f"{saved_dir} has splits {list(saved)}, not '{hf_split}'")
         return saved[hf_split].to_iterable_dataset() if streaming else saved[hf_split]
-    how = (f"On a machine with network run: python -c \"import datasets; datasets.load_dataset('{hub_name}', "
-           f"'{hub_config}').save_to_disk('{saved_dir.name}')\" and copy the folder {saved_dir.name}/ to {saved_dir} "
-           "(or set task.data.data_dir to a folder that holds it; with the Hugging Face cache already populated, "
-           "set HF_DATASETS_OFFLINE=1).")
-    if not offline_requested() and not hub_reachable():
-        raise FileNotFoundError(f"{hub_name} ({hub_config}) not found: no saved copy at {saved_dir} and the "
-                                f"Hugging Face Hub ({HF_HUB_HOST}) is unreachable. {how}")
+    check_hf_source(saved_dir, hub_name, hub_config, cache_dir)
     try:
         return datasets.load_dataset(hub_name, hub_config, split=hf_split, streaming=streaming,
                                      cache_dir=str(cache_dir))
     except Exception as err:
         # from None: the message carries the cause; datasets' own traceback would bury the instructions.
         raise FileNotFoundError(f"{hub_name} ({hub_config}) could not be loaded ({type(err).__name__}: {err}); "
-                                f"no saved copy at {saved_dir}. {how}") from None
+                                f"no saved copy at {saved_dir}. {hf_instructions(saved_dir, hub_name, hub_config)}"
+                                ) from None
+
+
+def hf_instructions(saved_dir: Path, hub_name: str, hub_config: str) -> str:
+    """How to place a Hugging Face dataset at ``saved_dir`` from a machine with network."""
+    return (f"On a machine with network run: python -c \"import datasets; datasets.load_dataset('{hub_name}', "
+            f"'{hub_config}').save_to_disk('{saved_dir.name}')\" and copy the folder {saved_dir.name}/ to {saved_dir} "
+            "(or set task.data.data_dir to a folder that holds it; with the Hugging Face cache already populated, "
+            "set HF_DATASETS_OFFLINE=1).")
+
+
+def check_hf_source(saved_dir: Path, hub_name: str, hub_config: str, cache_dir: Path) -> None:
+    """A Hugging Face dataset can be read: a saved copy at ``saved_dir``, or in offline mode (``HF_DATASETS_OFFLINE``
+    / ``HF_HUB_OFFLINE``) its cache in ``cache_dir``, or else a reachable Hub; otherwise a ``FileNotFoundError``
+    saying how to place it (``datasets`` itself would retry for tens of seconds before failing)."""
+    if saved_dir.is_dir():
+        return
+    how = hf_instructions(saved_dir, hub_name, hub_config)
+    if offline_requested():
+        if cache_dir.is_dir():
+            return
+        raise FileNotFoundError(f"{hub_name} ({hub_config}) not found: offline mode is set and there is neither a "
+                                f"saved copy at {saved_dir} nor a cache at {cache_dir}. {how}")
+    if not hub_reachable():
+        raise FileNotFoundError(f"{hub_name} ({hub_config}) not found: no saved copy at {saved_dir} and the "
+                                f"Hugging Face Hub ({HF_HUB_HOST}) is unreachable. {how}")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from longseq.data.text import (
     EOS_ID,
     SPLITS,
     TokenStreamDataModule,
+    check_hf_source,
     load_hf_split,
     load_sentencepiece,
     load_token_cache,
@@ -78,6 +79,11 @@ class Wiki40bDataModule(TokenStreamDataModule):
 
     def load(self, split: str) -> Any:
         return load_hf_split(self.root / "hf", self.hub_name, self.hub_config, split, self.root / "hf_cache")
+
+    def check_data(self) -> None:
+        """The token caches exist, or the dataset can be read to build them (``text.check_hf_source``)."""
+        if not all((self.cache / f"{s}.npy").is_file() for s in SPLITS):
+            check_hf_source(self.root / "hf", self.hub_name, self.hub_config, self.root / "hf_cache")
 
     def prepare_data(self) -> None:
         """Train SentencePiece on the training split (once), then encode the three splits (once)."""

@@ -16,7 +16,14 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from longseq.data.text import SPLITS, TokenStreamDataModule, load_hf_split, load_token_cache, stream_dtype
+from longseq.data.text import (
+    SPLITS,
+    TokenStreamDataModule,
+    check_hf_source,
+    load_hf_split,
+    load_token_cache,
+    stream_dtype,
+)
 from longseq.utils.errors import ConfigError
 
 EOS, UNK = "<eos>", "<unk>"
@@ -67,6 +74,11 @@ class WikiText103DataModule(TokenStreamDataModule):
 
     def cached(self) -> bool:
         return (self.cache / "vocab.txt").is_file() and all((self.cache / f"{s}.npy").is_file() for s in SPLITS)
+
+    def check_data(self) -> None:
+        """The token caches exist, or the dataset can be read to build them (``text.check_hf_source``)."""
+        if not self.cached():
+            check_hf_source(self.root / "hf", self.hub_name, self.hub_config, self.root / "hf_cache")
 
     def prepare_data(self) -> None:
         """Tokenize the three splits once into ``.npy`` streams (rank 0)."""

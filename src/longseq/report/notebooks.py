@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
+from traitlets.config import Config
 
 ROOT = Path(__file__).resolve().parents[3]
 NOTEBOOK_DIR = ROOT / "notebooks"
@@ -38,8 +40,12 @@ def execute_notebook(path: str | Path, parameters: str = "", timeout: int = 600,
         injected = nbformat.v4.new_code_cell(parameters)
         injected.metadata["tags"] = ["injected-parameters"]
         book.cells.insert(tagged[0] + 1, injected)
-    NotebookClient(book, timeout=timeout, kernel_name="python3",
-                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    with tempfile.TemporaryDirectory(prefix="longseq-kernel-") as sockets:
+        # Local IPC sockets (files in a private folder) instead of TCP ports: the kernel's traffic never leaves this
+        # machine, and ipykernel has nothing to warn about (over TCP it warns of plain-text traffic per notebook).
+        config = Config({"KernelManager": {"transport": "ipc", "ip": str(Path(sockets) / "kernel")}})
+        NotebookClient(book, timeout=timeout, kernel_name="python3", config=config,
+                       resources={"metadata": {"path": str(path.parent)}}).execute()
     if output is not None:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         nbformat.write(book, output)

@@ -57,20 +57,22 @@ def write_run_metrics(output_dir: str | Path, metrics: Mapping[str, Any] | None,
 STOPPED_FROM_OUTSIDE = (143, -1)
 
 
-def records_run_outcome(train: Callable[[Any], dict[str, Any]]) -> Callable[[Any], dict[str, Any]]:
-    """Decorate ``train(cfg)`` so that its run directory (``cfg.paths.output_dir``) ends with ``metrics.json``.
+def records_run_outcome(train: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    """Decorate ``train(cfg, **options)`` so that its run directory (``cfg.paths.output_dir``) ends with
+    ``metrics.json``.
 
     The metrics are those ``train`` returns; an exception is recorded (status ``failed``, or ``interrupted`` for
-    the exits of ``STOPPED_FROM_OUTSIDE``) and re-raised unchanged.
+    the exits of ``STOPPED_FROM_OUTSIDE``) and re-raised unchanged; a run that removed its directory on a refusal
+    (``runner``) records nothing.
     """
 
     @functools.wraps(train)
-    def wrapper(cfg: Any) -> dict[str, Any]:
+    def wrapper(cfg: Any, **options: Any) -> dict[str, Any]:
         output_dir = Path(cfg.paths.output_dir)
         if not rank_zero():  # a DDP rank that Lightning launched again shares its rank 0's run directory and record
-            return train(cfg)
+            return train(cfg, **options)
         try:
-            metrics = train(cfg)
+            metrics = train(cfg, **options)
         except SystemExit as stop:
             if output_dir.is_dir():
                 status = INTERRUPTED if stop.code in STOPPED_FROM_OUTSIDE else FAILED

@@ -9,6 +9,7 @@ before training; ``.hydra/config.yaml`` as a fallback) and the outcome (``metric
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,6 +113,44 @@ def load_run(path: Path) -> RunRecord:
 def load_runs(paths: list[str | Path]) -> list[RunRecord]:
     """Records of every run directory in ``paths`` (see :func:`find_run_dirs`)."""
     return [load_run(path) for path in find_run_dirs(paths)]
+
+
+def runs_of_task(runs: list[RunRecord], task: str | None) -> tuple[list[RunRecord], dict[str, int]]:
+    """``(the runs of task, {other task: how many runs})``; ``task`` None: the task of the newest run (the one a
+    report of ``logs/train/runs`` is about, e.g. ``make train``'s digits)."""
+    if task is None and runs:
+        task = runs_by_time(runs)[-1].value("task.name")
+    kept = [run for run in runs if run.value("task.name") == task]
+    others: dict[str, int] = {}
+    for run in runs:
+        if run not in kept:
+            name = run.value("task.name") or "?"
+            others[name] = others.get(name, 0) + 1
+    return kept, others
+
+
+def runs_by_time(runs: list[RunRecord]) -> list[RunRecord]:
+    return sorted(runs, key=lambda run: run.path.stat().st_mtime)
+
+
+def default_checkpoint(logs: str | Path, task: str = "digits") -> Path | None:
+    """The checkpoint a notebook draws from when none is named: among the runs of ``task`` under ``logs`` that saved
+    one, ``make train``'s default run (no command-line overrides) before any other, then the best validation score
+    (``task.monitor`` in the direction of ``task.mode``, from ``metrics.json``), then the newest. Its ``best.ckpt``,
+    else ``last.ckpt``; None when there is none (a 20-step smoke run no longer wins by being the newest)."""
+    candidates = []
+    for record in (load_run(p.parent) for p in Path(logs).rglob(RESOLVED_CONFIG)):
+        ckpt = next((c for c in (record.path / "checkpoints" / name for name in ("best.ckpt", "last.ckpt"))
+                     if c.is_file()), None)
+        if ckpt is None or record.value("task.name") != task:
+            continue
+        monitor, mode = record.value("task.monitor"), record.value("task.mode") or "min"
+        score = record.metrics.get(f"{monitor}_best", record.metrics.get(monitor))
+        goodness = -math.inf  # a run without a recorded score ranks below every scored one
+        if isinstance(score, (int, float)) and math.isfinite(score):
+            goodness = -float(score) if mode == "min" else float(score)
+        candidates.append(((not record.overrides, goodness, record.path.stat().st_mtime), ckpt))
+    return max(candidates)[1] if candidates else None
 
 
 def learning_curves(run: RunRecord, column: str) -> pd.DataFrame:

@@ -18,9 +18,11 @@ from longseq.utils.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# Arguments of the callables behind optimizer._target_ / scheduler._target_ that the task passes itself.
+# Arguments of the callables behind optimizer._target_ / scheduler._target_ (and of the backbone) that the task
+# passes itself.
 OPTIMIZER_SUPPLIED = ("params",)
 SCHEDULER_SUPPLIED = ("optimizer", "total_steps")
+BACKBONE_SUPPLIED = ("vocab_size", "seq_len", "attention", "image_shape", "out_dim")
 
 
 def _number(key: str, value: Any, low: float, low_inclusive: bool, high: float = math.inf,
@@ -52,6 +54,20 @@ def _check_arguments(group: str, spec: dict, supplied: tuple[str, ...]) -> None:
     for key in spec:
         if not key.startswith("_") and key not in valid:
             raise ConfigError(f"{group}.{key}", f"is not an argument of {target}; valid: {valid}")
+
+
+def check_backbone_keys(model: dict) -> None:
+    """Every ``model.<key>`` is an argument of the backbone (``+model.bogus=1`` would otherwise fail inside
+    ``Transformer.__init__`` without naming the key)."""
+    import difflib
+
+    valid = [name for name in inspect.signature(Transformer).parameters if name not in BACKBONE_SUPPLIED]
+    for key in model:
+        if key not in valid:
+            close = difflib.get_close_matches(str(key), valid, n=1)
+            hint = f" (did you mean model.{close[0]}?)" if close else ""
+            raise ConfigError(f"model.{key}", f"is not an argument of the backbone "
+                                              f"({Transformer.__module__}.Transformer){hint}; valid: {', '.join(valid)}")
 
 
 def check_optimization(optimizer: dict | None, scheduler: dict | None, required: bool = True) -> None:
@@ -97,7 +113,9 @@ def warn_if_warmup_outlasts_run(scheduler: dict, total_steps: int, lr: float | N
     warmup = scheduler.get("warmup_steps") or 0
     if total_steps >= warmup:
         return
-    reached = f" (it ends at {lr * total_steps / warmup:.3g} of optimizer.lr={lr:g})" if lr else ""
+    fraction = total_steps / warmup  # the warm-up factor of the last step, (step + 1) / warmup_steps
+    reached = (f" (the last step's learning rate is {lr * fraction:.3g}, {fraction:.0%} of optimizer.lr={lr:g})"
+               if lr else "")
     log.warning(f"scheduler.warmup_steps={warmup} is longer than this run ({total_steps} optimizer steps): the "
                 f"learning rate never finishes its warm-up{reached}; lower scheduler.warmup_steps or raise "
                 "trainer.max_steps")
@@ -140,6 +158,7 @@ class SequenceTask(L.LightningModule):
         if self.compile_mode not in COMPILE_MODES:
             raise ConfigError("model.compile_mode", f"{self.compile_mode!r} is not valid; choose one of {COMPILE_MODES}")
         model = {k: v for k, v in model.items() if k not in ("_target_", "compile", "compile_mode")}
+        check_backbone_keys(model)
         self.net = Transformer(vocab_size=vocab_size, seq_len=seq_len, attention=attention,
                                image_shape=image_shape, out_dim=out_dim, **model)
 

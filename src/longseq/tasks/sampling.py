@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import weakref
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 from rich.progress import (
@@ -35,7 +35,7 @@ from rich.progress import (
 from rich.text import Text
 
 from longseq.attention import DecodingNotSupported
-from longseq.models.transformer import Transformer, eval_mode
+from longseq.models.transformer import Transformer, check_positive_int, eval_mode
 from longseq.utils.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,41 @@ def check_sampling(temperature: float, top_k: int | None = None, key: str = "sam
         raise ConfigError(f"{key}.temperature", f"must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ConfigError(f"{key}.top_k", f"must be null (no cut) or an integer >= 1, got {top_k!r}")
+
+
+def check_prompt_fraction(prompt_fraction: Any) -> float:
+    """``sample.prompt_fraction``: the share of an image's rows given as the prompt, a number in [0, 1)."""
+    if isinstance(prompt_fraction, bool) or not isinstance(prompt_fraction, (int, float)) or not 0 <= prompt_fraction < 1:
+        raise ConfigError("sample.prompt_fraction", f"must be a number in [0, 1), got {prompt_fraction!r}")
+    return float(prompt_fraction)
+
+
+def check_sample_options(spec: Mapping[str, Any]) -> None:
+    """Every ``sample.*`` knob of ``eval.py mode=sample``, whatever the checkpoint's task: an image task does not
+    read ``tokens`` / ``top_k`` / ``prompt`` and an LM task not ``completions`` / ``k`` / ``prompt_fraction``, but a
+    value that could never work is refused either way (before anything is generated or written)."""
+    if spec.get("n") is not None:
+        check_positive_int("sample.n", spec["n"])
+    for key in ("k", "tokens"):
+        if key in spec:
+            check_positive_int(f"sample.{key}", spec[key])
+    completions = spec.get("completions", 0)
+    if isinstance(completions, bool) or not isinstance(completions, int) or completions < 0:
+        raise ConfigError("sample.completions", f"must be an integer >= 0 (0: none), got {completions!r}")
+    check_sampling(spec.get("temperature", 1.0), spec.get("top_k"))
+    check_prompt_fraction(spec.get("prompt_fraction", 0.5))
+    if not isinstance(spec.get("cache", True), bool):
+        raise ConfigError("sample.cache", f"must be true or false, got {spec['cache']!r}")
+    if "prompt" in spec and not isinstance(spec["prompt"], str):
+        raise ConfigError("sample.prompt", f"must be a string (sample.prompt='The '), got {spec['prompt']!r}")
+
+
+def check_can_sample(task_class: type) -> None:
+    """``eval.py mode=sample`` needs a task that generates: an image density (``sample``) or a causal LM
+    (``generate``); checked on the run's ``task.module._target_`` before anything is loaded."""
+    if not (callable(getattr(task_class, "sample", None)) or callable(getattr(task_class, "generate", None))):
+        raise ConfigError("mode", f"sample needs an image density or a causal LM task; {task_class.__name__} "
+                                  "(task.module._target_ of the run) cannot generate: use mode=evaluate")
 
 
 def pick_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
@@ -187,9 +222,7 @@ def completion_prefix_length(image_shape: tuple[int, int, int], prompt_fraction:
     """Sub-pixels in the top ``prompt_fraction`` of an image's rows (whole rows: the completion figure of
     image-transformer papers); ``sample.prompt_fraction`` must leave at least one row to complete."""
     h, w, c = image_shape
-    if isinstance(prompt_fraction, bool) or not isinstance(prompt_fraction, (int, float)) or not 0 <= prompt_fraction < 1:
-        raise ConfigError("sample.prompt_fraction", f"must be a number in [0, 1), got {prompt_fraction!r}")
-    return min(h - 1, round(prompt_fraction * h)) * w * c
+    return min(h - 1, round(check_prompt_fraction(prompt_fraction) * h)) * w * c
 
 
 def write_image_samples(module, datamodule, n: int, temperature: float, cache: bool, out_dir, generator,
@@ -275,8 +308,7 @@ def write_text_samples(module, datamodule, prompt: str, n: int, tokens: int, tem
     (Transformer-XL generates through its own memory). Returns the texts (prompt + continuation)."""
     from rich.console import Console
 
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-        raise ConfigError("sample.tokens", f"must be an integer >= 1, got {tokens!r}")
+    check_positive_int("sample.tokens", tokens)
     encode, decode = text_codec(module, datamodule)
     ids = encode(prompt)
     if not ids:

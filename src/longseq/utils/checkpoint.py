@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from longseq.utils.build import build_module
 from longseq.utils.errors import ConfigError, names_what_to_fix
+from longseq.utils.rundir import RESOLVED_CONFIG
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,23 @@ def run_dir_of(ckpt_path: str | Path) -> Path | None:
     return None
 
 
+def run_directory(ckpt_path: str | Path, run_dir: str | Path | None = None) -> Path:
+    """The training run a checkpoint belongs to: ``run_dir`` when given, else the checkpoint's grandparent."""
+    return Path(run_dir) if run_dir else Path(ckpt_path).resolve().parent.parent
+
+
+def load_run_config(ckpt_path: str | Path, run_dir: str | Path | None = None) -> DictConfig:
+    """The resolved config a checkpoint was trained with (``<run>/config_resolved.yaml``), or a ``ConfigError``
+    saying the checkpoint is not inside a training run directory."""
+    ckpt_path = Path(ckpt_path)
+    run_dir = run_directory(ckpt_path, run_dir)
+    path = run_dir / RESOLVED_CONFIG
+    if not path.is_file():
+        raise ConfigError("run_dir", f"{path} not found: {ckpt_path} is not inside a training run directory "
+                                     f"(<run>/checkpoints/); pass run_dir=<the run directory that holds {RESOLVED_CONFIG}>")
+    return OmegaConf.load(path)
+
+
 def checkpoint_step(path: str | Path) -> int:
     """The ``global_step`` saved in a checkpoint (-1 when it cannot be read): which of two files is newer."""
     try:
@@ -105,7 +123,8 @@ def holdings(directory: Path) -> str:
     return f"it holds {found}: pass one of them" if found else "it holds no .ckpt file"
 
 
-def resolve_ckpt_path(ckpt_path: str | Path, key: str = "ckpt_path", resume: bool = False) -> Path:
+def resolve_ckpt_path(ckpt_path: str | Path, key: str = "ckpt_path", resume: bool = False,
+                      announce: bool = True) -> Path:
     """``ckpt_path`` itself when it is not a directory, else the checkpoint it stands for, announced on stderr.
 
     A run directory or its ``checkpoints/`` resolves to ``best.ckpt`` then ``last.ckpt`` (evaluation), or with
@@ -126,7 +145,8 @@ def resolve_ckpt_path(ckpt_path: str | Path, key: str = "ckpt_path", resume: boo
         wanted = "last.ckpt, interrupted.ckpt or best.ckpt" if resume else "best.ckpt or last.ckpt"
         raise ConfigError(key, f"{path} is a directory without {wanted} (in it or in its checkpoints/); "
                                f"{holdings(path)}")
-    print(f"{key}: {path} is a directory: using {chosen} ({why})", file=sys.stderr)
+    if announce:
+        print(f"{key}: {path} is a directory: using {chosen} ({why})", file=sys.stderr)
     return chosen
 
 

@@ -1,9 +1,7 @@
-"""``train.py``'s pre-flight and resume: one command resumes a run in place, replaying how it was trained.
+"""Resume: one command resumes a run in place, replaying how it was trained.
 
-- ``preflight`` (before Hydra composes or makes a run directory): every run's config checks
-  (``config.check_run_config``); ``ckpt_path=<run>/checkpoints/<file>.ckpt`` (or a run / checkpoints directory)
-  also replays the run's saved overrides with the command's own on top, checks the checkpoint against the composed
-  model, and points Hydra at ``<run>``.
+- ``replay`` / ``saved_overrides`` (used by ``train.py``'s pre-flight, ``preflight.command.preflight_train``, before
+  Hydra makes a run directory): the run's saved overrides with the command's own on top.
 - ``resume_requeued`` (inside the job): a launcher job started again in a directory that already holds its own
   checkpoints (a SLURM requeue after preemption or time-out, a resubmitted job) resumes from the newest one.
 - ``resuming_in_place`` / ``continue_loggers`` (``runner.train``): a run resumed in its own directory continues its
@@ -14,7 +12,6 @@ It sits below ``runner`` (which imports it) and imports nothing above ``longseq.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import re
@@ -23,17 +20,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from longseq.utils.checkpoint import (
-    OVERRIDES_FILE,
-    checkpoint_step,
-    newest_checkpoint,
-    resolve_ckpt_path,
-    run_dir_of,
-)
-from longseq.utils.config import check_before_run, check_run_config, compose_for_check
-from longseq.utils.console import full_errors, report_and_exit
-from longseq.utils.errors import ConfigError
-from longseq.utils.rundir import RESOLVED_CONFIG, describe, live_holder, rank_zero
+from longseq.utils.checkpoint import OVERRIDES_FILE, checkpoint_step, newest_checkpoint
+from longseq.utils.rundir import RESOLVED_CONFIG
 
 log = logging.getLogger(__name__)
 
@@ -93,68 +81,6 @@ def replay(saved: list[str], given: list[str]) -> tuple[list[str], list[str], li
             changed.append(f"{g} (new)")
         result.append(g)
     return result, kept, changed
-
-
-def preflight(argv: list[str], config_dir: Path, config_name: str = "train") -> list[str]:
-    """Return ``argv`` with what resumes ``ckpt_path=``'s run in place: its overrides, and its directory.
-
-    ``ckpt_path`` may be a file or a run / ``checkpoints/`` directory (the newest of ``last.ckpt`` /
-    ``interrupted.ckpt``). Inside ``<run>/checkpoints/`` the run's saved overrides are replayed under the
-    command's own (both printed), and ``hydra.run.dir=<run>`` is added (unless given) so the training continues
-    in its own directory; Hydra's record of this invocation goes to ``<run>/.hydra/resume-<time>/`` and the
-    original ``.hydra/overrides.yaml`` stays as it was. The checkpoint must exist, load and match the composed
-    model (``ConfigError`` naming the file or the differing keys), and the run must not be live. Every run, resumed
-    or not, passes ``config.check_run_config`` here: nothing is created otherwise. Multiruns (``-m``) are checked per
-    job by ``runner.train`` instead.
-    """
-    from hydra._internal.utils import get_args_parser
-
-    if not rank_zero():  # a DDP rank re-launched by Lightning: its rank 0 already did this (argv is the result)
-        return argv
-    args, _ = get_args_parser().parse_known_args(argv[1:])
-    if args.multirun or args.cfg or args.info or args.help or args.hydra_help or args.shell_completion:
-        return argv
-    given = list(args.overrides or [])
-    ckpt = override_value(given, "ckpt_path")
-    if not ckpt or ckpt == "null":
-        check_composed(config_dir, args.config_name or config_name, given)
-        return argv
-    flags = [a for a in argv[1:] if a not in set(given)]
-    try:
-        resolved = resolve_ckpt_path(ckpt, resume=True)
-        run = run_dir_of(resolved)
-        overrides = [o for o in given if override_key(o)[0] != "ckpt_path"] + [f"ckpt_path={resolved}"]
-        explicit_dir = override_value(given, "hydra.run.dir") is not None
-        holder = live_holder(run) if run is not None and not explicit_dir else None
-        if holder:
-            raise ConfigError("ckpt_path", f"{run} is still being written by a live run ({describe(holder)}); "
-                                           "stop it first (its checkpoints are not final)")
-        if run is not None:
-            record, saved = saved_overrides(run)
-            overrides, kept, changed = replay(saved, overrides)
-            print(f"resume: replaying {record}: {' '.join(kept) or '(no overrides)'}", file=sys.stderr)
-            if changed:
-                print(f"resume: this command changes {'; '.join(changed)}", file=sys.stderr)
-        check_composed(config_dir, args.config_name or config_name, overrides)
-    except ConfigError as exc:
-        if full_errors():
-            raise
-        report_and_exit(exc)
-    if run is None or explicit_dir:
-        return [argv[0], *flags, *overrides]
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-    print(f"resuming in place: {run}", file=sys.stderr)
-    return [argv[0], *flags, *overrides, f"hydra.run.dir={run}", f"hydra.output_subdir=.hydra/resume-{stamp}"]
-
-
-def check_composed(config_dir: Path, config_name: str, overrides: list[str]) -> None:
-    """``check_run_config`` on the config ``overrides`` compose to, before the run directory exists: a refused
-    run prints its ``error: <key>:`` line and leaves nothing behind (``config.check_before_run``)."""
-    try:
-        cfg = compose_for_check(config_dir, config_name, overrides)
-    except Exception:  # noqa: BLE001 - a composition error is reported by the real run, with its context
-        return
-    check_before_run(cfg, check_run_config)
 
 
 def same_job(saved: DictConfig, cfg: DictConfig) -> bool:

@@ -41,6 +41,7 @@ RESOLVED_CONFIG = "config_resolved.yaml"  # the run's resolved config: eval.py a
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID")
 _SUFFIX: str | None = None
 _HELD: dict[Path, int] = {}  # directory -> file descriptor holding its flock (this process)
+_CREATED: dict[Path, Path] = {}  # run directory this process created -> the topmost folder it created for it
 
 
 def run_suffix() -> str:
@@ -116,18 +117,23 @@ def live_holder(directory: str | Path) -> dict[str, Any] | None:
         os.close(fd)
 
 
-def acquire(directory: str | Path, key: str = "hydra.run.dir") -> Path:
+def acquire(directory: str | Path, key: str = "hydra.run.dir", record_creation: bool = False) -> Path:
     """Lock ``directory`` (created if missing) for this process, or raise ``ConfigError(key, ...)`` naming it.
 
     Re-entrant within a process. A lock file whose holder is gone (a killed or preempted earlier attempt) is
-    taken over with a warning. Released by :func:`release` or at exit.
+    taken over with a warning. Released by :func:`release` or at exit. ``record_creation``: remember that this
+    process created ``directory`` (and which of its parents), so a run refused before it trained can remove it
+    again (:func:`discard_created`).
     """
     directory = Path(directory).resolve()
     if directory in _HELD:
         return directory
     path = directory / LOCK_FILE
+    created = [p for p in (directory, *directory.parents) if not p.exists()]
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        if created and record_creation:
+            _CREATED[directory] = created[-1]
         os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o644))
     except OSError as exc:  # a read-only or full log folder: nothing was created, so say where to write instead
         where = f": {exc.filename}" if exc.filename and Path(exc.filename) != directory else ""
@@ -187,19 +193,41 @@ def release(directory: str | Path) -> None:
         os.close(fd)  # closing releases the flock
 
 
+def discard_created(directory: str | Path) -> bool:
+    """Remove ``directory`` and the empty parents this process created for it (``acquire(record_creation=True)``):
+    a run refused before it trained leaves no directory behind. A directory this process did not create (a resume in
+    place, an existing ``hydra.run.dir``, a multirun job) is left alone. True when it was removed."""
+    import shutil
+
+    directory = Path(directory).resolve()
+    top = _CREATED.pop(directory, None)
+    if top is None:
+        return False
+    release(directory)
+    shutil.rmtree(directory, ignore_errors=True)
+    for parent in directory.parents:
+        if not parent.is_relative_to(top):
+            break
+        try:
+            parent.rmdir()  # only while empty: another run may have started below it meanwhile
+        except OSError:
+            break
+    return not directory.exists()
+
+
 @atexit.register
 def _release_all() -> None:
     for directory in list(_HELD):
         release(directory)
 
 
-def acquire_or_exit(directory: str | Path, key: str) -> None:
+def acquire_or_exit(directory: str | Path, key: str, record_creation: bool = False) -> None:
     """:func:`acquire`, reporting a busy directory as ``error: <key>: ...`` and exit 1 (Hydra callbacks turn
     exceptions into warnings, so the callback must exit itself)."""
     from longseq.utils.console import full_errors, report_and_exit
 
     try:
-        acquire(directory, key)
+        acquire(directory, key, record_creation)
     except ConfigError as exc:
         if full_errors():
             raise SystemExit(str(exc)) from exc
@@ -225,7 +253,7 @@ class RunDirLock(Callback):
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
         if rank_zero():
             run_dir = str(config.hydra.run.dir)
-            acquire_or_exit(run_dir, key_of(config, "hydra.run.dir"))
+            acquire_or_exit(run_dir, key_of(config, "hydra.run.dir"), record_creation=True)
 
     def on_run_end(self, config: Any, **kwargs: Any) -> None:
         release(str(config.hydra.run.dir))

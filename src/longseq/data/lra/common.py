@@ -120,6 +120,21 @@ class LraDataModule(SplitLoaders, L.LightningDataModule):
             "(non-released) copy: make data-lra / python -m longseq.data.lra.prepare --root <folder>"
         )
 
+    title = "LRA"  # the dataset's name in the message of a missing file
+
+    def check_data(self) -> None:
+        """Every split's released file is on disk, else the ``missing`` error (the pre-flight calls this before the
+        run directory exists)."""
+        for split in SPLITS:
+            self.split_file(split)
+
+    def split_file(self, split: str) -> Path:
+        """``split_source(split)`` when it exists, else the ``missing`` error naming it."""
+        path = self.split_source(split)
+        if not path.exists():
+            raise self.missing(path, f"{self.title} {split} split")
+        return path
+
     def setup(self, stage: str | None = None) -> None:
         self.world_size, _, self.device_batch, self.device_eval_batch = device_batches(
             self.trainer, self.batch_size, self.eval_batch_size, self.accumulate_grad_batches

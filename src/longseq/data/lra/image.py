@@ -45,6 +45,10 @@ class LraImageDataModule(LraDataModule):
     def prepare_data(self) -> None:
         self.cifar.prepare_data()
 
+    def check_data(self) -> None:
+        """The CIFAR-10 batches are on disk (``task=cifar10``'s files; downloaded when allowed)."""
+        self.cifar.check_data()
+
     def split_source(self, split: str) -> Path:
         return self.cifar.split_source(split)
 

@@ -192,14 +192,12 @@ class LraListOpsDataModule(LraDataModule):
 
     num_classes = NUM_CLASSES
     vocab_size = VOCAB_SIZE
+    title = "ListOps"
 
     def split_source(self, split: str) -> Path:
         return self.root / "listops-1000" / SPLIT_FILES[split]
 
     def load_split(self, split: str) -> Examples:
-        path = self.split_source(split)
-        if not path.is_file():
-            raise self.missing(path, f"ListOps {split} split")
-        docs, labels = read_split(path)
+        docs, labels = read_split(self.split_file(split))
         return Examples([docs], labels)
 

@@ -110,10 +110,15 @@ class LraPathfinderDataModule(LraDataModule):
     def split_source(self, split: str) -> Path:
         return self.folder / "metadata"
 
+    def check_data(self) -> None:
+        """The metadata folder of the chosen resolution and difficulty is on disk (the images it lists are checked
+        as they are read)."""
+        if not (self.folder / "metadata").is_dir():
+            raise self.missing(self.folder / "metadata", f"Pathfinder-{self.resolution} ({self.difficulty})")
+
     def load_split(self, split: str) -> Examples:
         if self._lines is None:
-            if not (self.folder / "metadata").is_dir():
-                raise self.missing(self.folder / "metadata", f"Pathfinder-{self.resolution} ({self.difficulty})")
+            self.check_data()
             self._lines = metadata_lines(self.folder)
         lines = self._lines[split_slice(len(self._lines), split)]
         images, labels = [], []

@@ -65,15 +65,13 @@ class LraRetrievalDataModule(LraDataModule):
 
     num_classes = 2
     vocab_size = BYTE_VOCAB_SIZE
+    title = "AAN retrieval"
 
     def split_source(self, split: str) -> Path:
         return self.root / "tsv_data" / SPLIT_FILES[split]
 
     def load_split(self, split: str) -> Examples:
-        path = self.split_source(split)
-        if not path.is_file():
-            raise self.missing(path, f"AAN retrieval {split} split")
-        first, second, labels = read_split(path, self.max_length)
+        first, second, labels = read_split(self.split_file(split), self.max_length)
         return Examples([first, second], labels)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from longseq.data.lra.common import BYTE_VOCAB_SIZE, Examples, LraDataModule, encode_bytes
-from longseq.data.text import load_hf_split, offline_requested
+from longseq.data.text import check_hf_source, load_hf_split
 from longseq.utils.errors import DataError
 
 HUB_NAME, HUB_CONFIG = "stanfordnlp/imdb", "plain_text"
@@ -30,15 +30,12 @@ class LraTextDataModule(LraDataModule):
     def split_source(self, split: str) -> Path:
         return self.root / "imdb" if (self.root / "imdb").is_dir() else self.root / "hf_cache"
 
+    def check_data(self) -> None:
+        """IMDB can be read: a saved copy, its cache (offline), or a reachable Hub (``text.check_hf_source``)."""
+        check_hf_source(self.root / "imdb", HUB_NAME, HUB_CONFIG, self.root / "hf_cache")
+
     def load_split(self, split: str) -> Examples:
-        saved, cache = self.root / "imdb", self.root / "hf_cache"
-        if not saved.is_dir() and not cache.is_dir() and offline_requested():
-            # datasets' own offline lookup takes tens of seconds to conclude there is nothing.
-            raise FileNotFoundError(
-                f"IMDB ({HUB_NAME}) not found: offline mode is set and there is neither a saved copy at {saved} nor "
-                f"a cache at {cache}. On a machine with network run: python -c \"import datasets; datasets.load_dataset("
-                f"'{HUB_NAME}', '{HUB_CONFIG}').save_to_disk('imdb')\" and copy imdb/ to {saved}.")
-        rows = load_hf_split(saved, HUB_NAME, HUB_CONFIG, HF_SPLITS[split], cache)
+        rows = load_hf_split(self.root / "imdb", HUB_NAME, HUB_CONFIG, HF_SPLITS[split], self.root / "hf_cache")
         docs = [encode_bytes(text, self.max_length) for text in rows["text"]]
         labels = np.asarray(rows["label"], dtype=np.int64)
         if set(np.unique(labels)) - {0, 1}:
