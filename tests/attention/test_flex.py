@@ -411,13 +411,20 @@ def test_a_training_step_compiles_as_one_graph_through_aot_autograd(name, causal
         torch.testing.assert_close(got, want)
 
 
-def compiled_backbone_steps(name: str, causal: bool, prepare: bool, monkeypatch, steps: int = 2):
-    """``model.compile=true`` as the task runs it, on CPU: a 2-layer backbone on the flex backend (its calls a dense
-    stand-in, so flex may run with gradients here), its layouts prepared first (``prepare``), compiled whole with
-    ``fullgraph=True`` (``aot_eager``: dynamo and AOT autograd, as on a GPU), ``steps`` training steps -> the loss and
-    gradients of each step (compiled, then eager), and the number of graphs dynamo compiled."""
+def compiled_backbone_steps(name: str, causal: bool, prepare: bool, monkeypatch, steps: int = 2, layers: int = 2,
+                            autocast: bool = False, compiled_graphs: dict | None = None):
+    """``model.compile=true`` as the task runs it, on CPU: a ``layers``-layer backbone on the flex backend (its calls a
+    dense stand-in, so flex may run with gradients here; the fused summaries as on CUDA, ``fused_everywhere``), its
+    layouts prepared first (``prepare``), compiled whole with ``fullgraph=True`` (dynamo and AOT autograd, as on a
+    GPU, with eager kernels), ``steps`` training steps (under bf16 autocast with ``autocast``) -> the loss and gradients
+    of each step (compiled, then eager), and the number of graphs dynamo compiled; ``compiled_graphs`` counts the
+    forward and backward graphs AOT autograd made."""
     import torch._dynamo
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.utils import counters
+
+    from longseq.attention.ops.flex.regions import fused_everywhere
 
     from longseq.attention.ops import dispatch
     from longseq.bench.specs import build_spec
@@ -430,22 +437,32 @@ def compiled_backbone_steps(name: str, causal: bool, prepare: bool, monkeypatch,
     spec = build_spec(name, L, causal=causal, n_heads=2, head_dim=8, block_size=BLOCK)
     attention = {key: value for key, value in spec.kwargs.items() if key not in {"seq_len", "n_heads", "head_dim", "dropout"}}
     torch.manual_seed(0)
-    model = Transformer(vocab_size=16, seq_len=L, n_layers=2, d_model=16, n_heads=2, mlp_ratio=2, dropout=0.0,
+    model = Transformer(vocab_size=16, seq_len=L, n_layers=layers, d_model=16, n_heads=2, mlp_ratio=2, dropout=0.0,
                         attn_dropout=0.0, attention={"name": name, **attention, "backend": "flex"}, pos_emb="learned",
                         image_shape=None).eval()  # eval: the k-means centroids stay still, so steps compare
     monkeypatch.setattr(block_masks, "_REGISTRY", {})  # this test's layouts only, the registry restored after
     if prepare:
         cls = ATTENTION_REGISTRY[name].cls  # one layout per layer; none where the layout comes from the data
-        assert model.prepare_flex_layouts("cpu") == (0 if cls.flex_from_data else 2)
+        assert model.prepare_flex_layouts("cpu") == (0 if cls.flex_from_data else layers)
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(model, fullgraph=True, dynamic=False, backend="aot_eager")
+    made = {"forward": 0, "backward": 0} if compiled_graphs is None else compiled_graphs
+
+    def counted(kind):
+        def compiler(graph, example_inputs):
+            made[kind] += 1
+            return make_boxed_func(graph.forward)
+        return compiler
+
+    backend = aot_autograd(fw_compiler=counted("forward"), bw_compiler=counted("backward"))
+    compiled = torch.compile(model, fullgraph=True, dynamic=False, backend=backend)
     results = []
     for step in range(steps):
         tokens = torch.randint(0, 16, (2, L), generator=torch.Generator().manual_seed(step))
         for run in (compiled, model):
             model.zero_grad()
-            loss = run(tokens).float().square().mean()
+            with fused_everywhere(), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                loss = run(tokens).float().square().mean()
             loss.backward()
             results.append((loss.detach(), *(p.grad.clone() for p in model.parameters() if p.grad is not None)))
     graphs = counters["stats"]["unique_graphs"]
@@ -469,6 +486,25 @@ def test_a_compiled_backbone_is_one_graph_from_its_first_step(name, causal, monk
     for compiled_step, eager_step in zip(results[::2], results[1::2]):
         for got, want in zip(compiled_step, eager_step):
             torch.testing.assert_close(got, want)
+
+
+SIX_LAYERS = ["combiner_fixed", *(pytest.param(name, marks=pytest.mark.slow) for name in
+                                  ("combiner_logsparse", "combiner_axial", "combiner_axial_vertical",
+                                   "combiner_axial_horizontal", "combiner_mixture"))]
+
+
+@pytest.mark.parametrize("name", SIX_LAYERS)
+def test_six_layers_under_bf16_autocast_compile_to_one_forward_and_one_backward_graph(name, monkeypatch):
+    """The training step's unit on a GPU (issue #43): a 6-layer backbone of a flex variant, its fused summaries included,
+    under bf16 autocast is one forward and one backward graph for AOT autograd, made at the first step and never again
+    over 4 steps; its losses and gradients are the eager backbone's under the same autocast."""
+    graphs: dict = {"forward": 0, "backward": 0}
+    results, dynamo_graphs = compiled_backbone_steps(name, True, True, monkeypatch, steps=4, layers=6, autocast=True,
+                                                     compiled_graphs=graphs)
+    assert dynamo_graphs == 1 and graphs == {"forward": 1, "backward": 1}
+    for compiled_step, eager_step in zip(results[::2], results[1::2]):
+        for got, want in zip(compiled_step, eager_step):
+            torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
 def test_an_unprepared_compiled_backbone_breaks_its_graph_at_the_layout_build(monkeypatch):

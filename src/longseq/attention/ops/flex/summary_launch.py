@@ -133,10 +133,10 @@ def _define() -> None:
     @summary_kv_backward.register_kernel("cpu")
     def _(q, k, v, start, stride, count, skip, anchor, slot_source, dst, key_slot, indptr, indices, dk_kv, dv_kv,
           scale, pool, max_count):
-        with torch.enable_grad():
-            inputs = [x.detach().requires_grad_() for x in (q, k, v)]
-            outputs = _reference(*inputs, start, stride, count, skip, anchor, slot_source, scale, pool)
-            return torch.autograd.grad(outputs, inputs, (dk_kv, dv_kv), allow_unused=True)
+        # torch.func's vjp: an operation's kernel runs below autograd, where torch.autograd.grad sees no graph
+        _, vjp = torch.func.vjp(lambda *x: _reference(*x, start, stride, count, skip, anchor, slot_source, scale,
+                                                      pool), q, k, v)
+        return vjp((dk_kv, dv_kv))
 
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs[:13])

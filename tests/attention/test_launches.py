@@ -1,0 +1,45 @@
+"""GPU launches per layer, counted on the CPU (issue #43): each Combiner layer's forward + backward on the flex
+backend, compiled for an sm90 target (``longseq.bench.launches``: inductor writes the Triton code a GPU would run, its
+kernels are no-ops here), launches at most its budget of Triton kernels and extern calls besides the flex calls, at
+L 4,096, H 8, D 64, bf16. Before the fused summaries (``ops.flex.regions``) these were 17, 108, 34, 91, 164 and 235.
+
+The count patches inductor for its whole process, so it runs once, in a subprocess, for every budgeted layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from longseq.bench.launches import BUDGETS
+
+
+@pytest.fixture(scope="module")
+def counted() -> dict[str, dict]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, "-m", "longseq.bench.launches", "--json"], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=1200)
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert rows, done.stderr[-3000:]
+    return {row["label"]: row for row in rows}
+
+
+@pytest.mark.parametrize("label", list(BUDGETS))
+def test_a_layer_launches_at_most_its_budget(counted, label):
+    row = counted[label]
+    listed = "; ".join(f"{part}: {row[part]}" for part in ("forward", "forward_extern", "backward", "backward_extern"))
+    assert row["total"] <= BUDGETS[label].budget, f"{label}: {row['total']} launches > {BUDGETS[label].budget} ({listed})"
+
+
+def test_the_fused_summaries_are_one_kernel_forward_and_two_backward(counted):
+    """Each call with pooled regions launches ``summary_kv_forward`` once and the backward's two passes once each:
+    the pools, products, softmaxes, concatenations and padding are no longer separate kernels."""
+    for label, calls_with_regions in (("combiner_fixed", 1), ("combiner_mixture", 2)):
+        row = counted[label]
+        assert sum(name.startswith("summary_kv_forward") for name in row["forward"]) == calls_with_regions
+        assert sum(name.startswith("summary_kv_backward") for name in row["backward"]) == 2 * calls_with_regions
