@@ -42,7 +42,7 @@ test-slow: $(STAMP)  ## the slow suite: every attention through the train.py CLI
 bench: $(STAMP)  ## attention speed/memory benchmark (logs/bench/<timestamp>/)
 	$(PY) -m longseq.bench $(ARGS)
 
-gpu-check: $(STAMP)  ## verify a CUDA machine: correctness of every attention x backend (fp32, bf16), Fig. 3 on the device, bf16-mixed training (MFU), DDP; report in logs/gpu_check/<timestamp>/ (ARGS="dry=true": CPU, tiny sizes)
+gpu-check: $(STAMP)  ## verify a CUDA machine: host calibration, correctness of every attention x backend (fp32, bf16), Fig. 3 on the device, each layer as called and replayed in a CUDA graph (kernels per step), bf16-mixed training eager / compiled / CUDA graphs (MFU), DDP; report in logs/gpu_check/<timestamp>/ (ARGS="dry=true": CPU, tiny sizes)
 	$(PY) -m longseq.bench.gpu $(ARGS)
 
 xla-check: $(XLA_STAMP)  ## the XLA path on XLA's CPU device (own env .venv-xla, ~7 GB): every attention vs CPU, compiles per step, train.py trainer=tpu; report in logs/xla_check/<timestamp>/

@@ -45,6 +45,7 @@ def only_run_dir(out_dir: Path) -> Path:
     return runs[0]
 
 
+@pytest.mark.slow  # ~20 s: every attention through the CLI; the fast set runs the long preset at small lengths
 def test_cli_quick_preset_covers_every_registered_attention(tmp_path: Path) -> None:
     # isolate=false keeps this fast with many variants registered; the isolated path is tested below.
     command = [sys.executable, "-m", "longseq.bench", "preset=quick", "attentions=all", "lengths=[64,128]",
@@ -95,6 +96,7 @@ def test_cli_quick_preset_covers_every_registered_attention(tmp_path: Path) -> N
     assert "flex tiles visited" in done.stdout
 
 
+@pytest.mark.slow  # a process per cell
 def test_isolated_cell_measures_time_and_peak_rss() -> None:
     spec = build_spec("full", 512, causal=True, n_heads=2, head_dim=16)
     cell = CellSpec(attention="full", length=512, mode="fwd_bwd", kwargs=spec.kwargs, batch=1, heads=2,
@@ -107,6 +109,7 @@ def test_isolated_cell_measures_time_and_peak_rss() -> None:
     assert 0.1 < result.peak_mem_mb < 100
 
 
+@pytest.mark.slow  # ~16 s of isolated cells
 def test_heap_allocator_cell_reuses_freed_memory() -> None:
     """``allocator=heap`` (in the cell's own process): the cell runs, and a second pass over tensors of more than
     32 MiB faults in almost no fresh pages, where glibc's default maps each one afresh."""
@@ -128,6 +131,7 @@ def test_heap_allocator_cell_reuses_freed_memory() -> None:
     assert pages[False] > 4 * 9000 and pages[True] < 1000, pages  # 40 MiB = 10240 pages of 4 KiB
 
 
+@pytest.mark.slow  # a CLI run
 def test_unknown_allocator_is_refused_naming_the_key(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "longseq.bench", "allocator=jemalloc", f"out_dir={tmp_path}"],
                           capture_output=True, text=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 from matplotlib.colors import rgb_to_hsv, to_rgb
 
 from longseq.bench import replot
@@ -52,6 +53,7 @@ def panels(figure) -> dict[str, list[str]]:
     return {axis.get_title(): [t.get_text() for t in below.get_legend().get_texts()] for axis, below in zip(top, bottom)}
 
 
+@pytest.mark.slow  # a full figure drawn
 def test_one_column_per_family_with_full_in_each_and_time_as_its_ratio(tmp_path: Path) -> None:
     rows = committed_rows()
     names = list(dict.fromkeys(r["attention"] for r in rows))

@@ -103,7 +103,7 @@ def test_trainer_options(trainer, tmp_path):
         assert cfg.trainer.accelerator == "tpu" and cfg.trainer.precision == "bf16-true"
         with pytest.raises(ConfigError, match=r"trainer.accelerator: 'tpu' needs torch_xla, which is not installed in "
                                               r"this environment; .*make xla-check builds .venv-xla"):
-            build_trainer(cfg, [], [])
+            check_trainer_types(cfg.trainer)
     elif trainer in HARDWARE:
         # No accelerator here: the config must still compose, and building the trainer must fail loudly, naming the
         # key, rather than silently falling back to CPU.
@@ -270,6 +270,7 @@ def test_global_batch_must_divide(tmp_path):
         dm.setup("fit")
 
 
+@pytest.mark.slow  # a CLI run
 def test_cli_cfg_job_composes_for_gpu():
     out = subprocess.run(
         [sys.executable, "train.py", "attention=full", "task=cifar10", "trainer=gpu", "--cfg", "job"],

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import ROOT
 
 TINY = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "extras.print_config=false"]
@@ -27,6 +28,7 @@ def run_to_files(args: list[str], tmp_path: Path, name: str) -> tuple[str, str]:
     return out.read_text(), err.read_text()
 
 
+@pytest.mark.slow  # ~20 s: a CLI run
 def test_a_run_logged_to_a_file_reads_as_plain_lines(tmp_path: Path) -> None:
     out, err = run_to_files(TINY + ["trainer.max_steps=20", "trainer.val_check_interval=10",
                                     "trainer.limit_val_batches=3", "trainer.limit_test_batches=1"], tmp_path, "train")
@@ -75,6 +77,7 @@ def test_debug_fdr_prints_no_anomaly_detection_warning(tmp_path: Path) -> None:
     assert not any("detect_anomaly" in line for line in seen), seen
 
 
+@pytest.mark.slow  # a fresh interpreter importing optuna
 def test_optuna_import_prints_no_alembic_plugin_lines() -> None:
     """An Optuna sweep imports alembic, which logs one INFO line per plugin; the console module (imported by
     train.py before Hydra's sweeper) keeps alembic at WARNING."""

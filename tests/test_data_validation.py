@@ -416,6 +416,7 @@ def run_train(args: list[str], run_dir: Path) -> tuple[int, str]:
     return out.returncode, out.stdout + out.stderr
 
 
+@pytest.mark.slow  # CLI runs; the fast set refuses each malformed file in-process
 @pytest.mark.parametrize("fault", ["empty corpus", "malformed listops row"])
 def test_train_cli_fails_before_writing_a_checkpoint(tmp_path, fault):
     run_dir = tmp_path / "run"

@@ -69,7 +69,7 @@ def test_the_checks_find_what_they_look_for():
 # --- README and the guides: every command composes or parses, every link resolves -------------------------------
 # The measured records keep the commands as they ran; every other page of docs/ is a guide.
 RECORDS = {"results.md", "gpu_check_h100.md", "gpu_check_h200.md", "gpu_check_h200_layers.md",
-           "cpu_engine_measurements.md"}
+           "cpu_engine_measurements.md", "xla_check_cpu.md"}
 README = ROOT / "README.md"
 GUIDES = sorted(p for p in (ROOT / "docs").glob("*.md") if p.name not in RECORDS)
 README_MAX_LINES = 300

@@ -151,6 +151,7 @@ def test_a_hybrid_run_draws_maps_per_layer_reloads_and_resumes_from_its_checkpoi
     assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 3
 
 
+@pytest.mark.slow  # every attention built in a plan
 def test_the_throughput_benchmark_builds_the_plan_for_every_attention(tmp_path):
     """``train_step.layer_attention``: each attention's model gets one full layer in two; the rows say so."""
     import csv

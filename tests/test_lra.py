@@ -266,6 +266,7 @@ def test_pathfinder_positive_and_negative_differ_only_in_markers():
         assert np.array_equal(img0[~near], img1[~near]) and not np.array_equal(img0, img1)
 
 
+@pytest.mark.slow  # 2,000 generated images
 def test_pathfinder_class_balance_over_2000_samples():
     # Cheap geometry (16 x 16, short snakes, no distractors) so 2,000 full samples render in seconds; the
     # label logic is the same for every geometry.

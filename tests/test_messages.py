@@ -95,6 +95,7 @@ def test_messages_without_a_key_keep_their_type():
     assert key_and_message(RuntimeError("attention.window is bad")) is None  # torch internals: not the user's key
 
 
+@pytest.mark.slow  # a CLI run; the composition errors are checked in-process
 def test_cli_prints_the_key_form_and_exits_1(tmp_path):
     out = subprocess.run([sys.executable, "train.py", "attention=fnet", f"hydra.run.dir={tmp_path}",
                           "extras.print_config=false"], cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -278,6 +279,7 @@ def cli_refusal(script: str, args: list[str]) -> subprocess.CompletedProcess:
                           text=True, timeout=300, env=env)
 
 
+@pytest.mark.slow  # CLI subprocesses; test_preflight's CLI test runs the same path
 def test_cli_refusals_leave_no_run_directory_and_print_no_traceback(tmp_path):
     """End to end, as a user runs them: an eval split that does not exist (it used to evaluate the test split and exit
     0) and a log folder that cannot be created (it used to print a traceback). Nothing is written under either."""

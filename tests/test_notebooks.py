@@ -57,6 +57,7 @@ def test_results_notebook_aggregates_a_multirun(tmp_path: Path) -> None:
     assert images_of(book) == 1
 
 
+@pytest.mark.slow  # ~50 s: a training run, then every notebook on it; the fast set runs each notebook without its input
 def test_make_notebooks_after_a_short_train_runs_every_notebook(tmp_path: Path, monkeypatch, one_thread) -> None:
     """``make notebooks`` right after ``make train`` (no Table 1 sweep): every notebook runs; results reports the
     trained run with its curve (from the CSV every run writes), samples draws from its checkpoint."""

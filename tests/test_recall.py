@@ -54,6 +54,7 @@ def test_mqar_layout_keys_values_questions_and_labels():
         assert not any(V // 2 <= x[t] for t in range(2 * D, len(x)))  # no value after the pairs
 
 
+@pytest.mark.slow  # a large draw of examples
 def test_mqar_gaps_follow_the_power_law():
     """The query slots of 4,000 questions against Zoology's law P(g) ~ a (g + 1)^(a - 1): chi-square over slot
     bins (fixed seed), and a clearly different power_a is rejected by the same test."""
@@ -375,6 +376,7 @@ def train_mqar(attention: str, steps: int = 300, seed: int = 0) -> tuple[float, 
     return float(task.test_acc.compute()), far_acc
 
 
+@pytest.mark.slow  # ~60 s of training
 def test_full_learns_mqar_where_a_short_local_window_stays_at_chance(one_thread):
     """`full` retrieves almost every answer; `local` (window 4: with two layers and the conv it reaches 12 tokens
     back) is at chance on the questions whose key is 16 or more tokens back — if a label leaked into the

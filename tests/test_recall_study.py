@@ -36,6 +36,7 @@ HYBRIDS = {"combiner_fixed_full": (["combiner_fixed", "full"], False),
            "full_combiner_fixed_rezero": (["full", "combiner_fixed"], True)}
 
 
+@pytest.mark.slow  # ~25 s: every arm's model at both lengths; the plan's tests compose the stages
 def test_every_arm_composes_and_builds_at_both_lengths(tmp_path):
     """Each arm of conf/recall/arm builds the study's model at L = 256 and 1,024 with the pairs scattered: its
     attention, the controls' windows (the short one covering recall_short_share of the questions), the hybrids' layers

@@ -64,6 +64,7 @@ def test_missing_ckpt_path_fails_before_a_run_dir(tmp_path, capsys):
     assert line == f"error: ckpt_path: {tmp_path / 'nope.ckpt'} does not exist; {tmp_path} holds no .ckpt file"
 
 
+@pytest.mark.slow  # CLI train + eval on a cut file; the fast set refuses a random-bytes checkpoint in the pre-flight
 def test_truncated_ckpt_path_is_named_by_train_and_eval(trained_run, tmp_path):
     broken = tmp_path / "checkpoints" / "last.ckpt"
     broken.parent.mkdir()
@@ -108,6 +109,7 @@ def test_typed_trainer_key_is_named(make_cfg):
         train(make_cfg(["trainer.limit_val_batches=all"]))
 
 
+@pytest.mark.slow  # a CLI run; the fast set names trainer keys in-process (test_messages)
 def test_typed_trainer_key_prints_one_line(tmp_path):
     out = cli("train.py", ["trainer.max_steps=abc", f"hydra.run.dir={tmp_path / 'run'}", *TINY])
     assert out.returncode == 1

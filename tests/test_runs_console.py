@@ -64,6 +64,7 @@ def test_wandb_run_is_resumed_by_id_in_place(make_cfg, tmp_path):
     assert len({re.match(r"offline-run-\d{8}_\d{6}-([a-z0-9]+)", p.name).group(1) for p in runs}) == 1
 
 
+@pytest.mark.slow  # ~25 s of CLI runs; test_transformer_xl evaluates XL and TRAMS in-process
 def test_xl_trams_evaluation_without_training_exits_zero(make_cfg, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(("def f(x):\n    return x + 1\n" * 200).encode())

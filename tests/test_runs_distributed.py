@@ -88,6 +88,7 @@ def check_distributed_run(strategy: str, logger: str, validation: str, tmp_path:
 FAST_CASE = ("ddp_cpu", "many_loggers", "after_fit")
 
 
+@pytest.mark.slow  # ~60 s of DDP runs; the fast set checks DDP's metrics against one process (test_train)
 def test_ddp_cpu_final_evaluation_keeps_the_training_rows_for_every_logger(tmp_path):
     """The issue's run: ``trainer=ddp_cpu trainer.max_steps=20`` ends before any validation; the launcher validates
     the final weights and tests them. It used to rewrite metrics.csv with its own header (training rows lost) and

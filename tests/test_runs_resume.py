@@ -116,6 +116,7 @@ def test_two_runs_started_in_the_same_second_get_their_own_dirs_and_scores(tmp_p
     assert not list(tmp_path.rglob(".lock"))  # released at the end
 
 
+@pytest.mark.slow  # two concurrent CLI runs; the fast set checks the lock in-process (test_lock_is_exclusive_...)
 def test_second_live_run_on_one_run_dir_exits_naming_it_and_the_first_is_unharmed(tmp_path):
     run = tmp_path / "run"
     first = start([f"hydra.run.dir={run}", "seed=1", "trainer.max_steps=100000",

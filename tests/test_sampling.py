@@ -202,6 +202,7 @@ def cli(args: list[str]) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+@pytest.mark.slow  # ~30 s: CLI train + sample; the fast set samples a byte LM
 def test_eval_mode_sample_on_digits_writes_grid_npz_and_completions(tmp_path: Path) -> None:
     metrics = train(compose_config(["trainer.max_steps=2", "test=false", "callbacks.samples.n_samples=0"],
                                    tmp_path / "run"))

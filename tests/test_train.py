@@ -138,6 +138,7 @@ TINY_CLI = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "trainer.
             "trainer.limit_test_batches=1", "extras.print_config=false", "trainer.enable_progress_bar=false"]
 
 
+@pytest.mark.slow  # ~40 s: a CLI multirun
 def test_multirun_gives_two_run_dirs_and_two_wandb_runs(tmp_path):
     out = run_cli(["-m", "seed=1,2", "trainer.max_steps=2", "logger=wandb", "logger.wandb.offline=true",
                    f"paths.log_dir={tmp_path}", *TINY_CLI], timeout=300)

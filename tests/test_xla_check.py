@@ -34,8 +34,9 @@ def test_the_dry_check_runs_every_stage_and_writes_its_report(tmp_path):
     assert [r["attention"] for r in results["compiles"]] == ["full"]
     assert all(len(r["per_step"]) == 3 and r["status"] == "pass" for r in results["compiles"])
     training = results["training"]
-    assert training["status"] == "pass" and re.fullmatch(r"test/bpd=[\d.]+, val/bpd=[\d.]+, val/bpd_best=[\d.]+",
-                                                         training["metrics"])
+    assert training["status"] == "pass"
+    metrics = [re.fullmatch(r"([\w/]+)=\d+\.\d+", item) for item in training["metrics"].split(", ")]
+    assert all(metrics) and {m[1] for m in metrics} == {"test/bpd", "val/bpd", "val/bpd_best"}
     report = (out / "report.md").read_text()
     assert "| combiner_fixed | true |" in report and "## python train.py trainer=tpu" in report
     assert "results: " in (out / "train.log").read_text()
@@ -165,3 +166,19 @@ def test_a_function_traced_with_an_object_reaches_a_copy_of_it_under_compile():
     assert twin.seen == ["called"] and original.seen == []  # once per compiled graph, on the copy
     original(x)
     assert original.seen == ["called"]
+
+
+def test_the_preflight_builds_trainer_tpu_with_the_accelerator_the_run_gets(tmp_path, monkeypatch):
+    """``trainer=tpu``'s Trainer is built twice, by the pre-flight (Lightning's own checks, before the run directory)
+    and by the run, and both get ``utils.xla.trainer_accelerator``'s accelerator (on XLA's CPU device Lightning's own
+    ``tpu`` is unavailable: the pre-flight refused what the run would have trained, ``make xla-check`` found it). Here a
+    CPU accelerator stands in for XLA's, which needs torch_xla."""
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    from longseq.preflight.trainer import check_with_lightning
+    from longseq.utils import xla as xla_utils
+
+    cfg = compose_config(["trainer=tpu", "trainer.devices=1"], tmp_path)
+    given = []
+    monkeypatch.setattr(xla_utils, "tpu_accelerator", lambda: given.append(CPUAccelerator()) or given[-1])
+    assert check_with_lightning(cfg) == 1 and len(given) == 1

@@ -44,6 +44,7 @@ from longseq.utils.console import quiet_lightning
 from longseq.utils.errors import NonFiniteError, names_what_to_fix
 from longseq.utils.resume import continue_loggers, resuming_in_place
 from longseq.utils.rundir import RESOLVED_CONFIG, discard_created, rank_zero
+from longseq.utils.xla import trainer_accelerator
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +60,8 @@ def build_trainer(cfg: DictConfig, callbacks: list, loggers: list[Logger]) -> L.
     step bar and the model summary."""
     quiet_lightning()
     callbacks = console_callbacks(cfg.trainer, callbacks)  # the step bar and the compact model summary
-    extra = {}
-    if cfg.trainer.get("accelerator") == "tpu":  # Lightning's XLA accelerator, on XLA's CPU device where no TPU is
-        from longseq.utils.xla import tpu_accelerator
-
-        extra["accelerator"] = tpu_accelerator()
-    elif "plugins" not in cfg.trainer:
+    extra = trainer_accelerator(cfg.trainer)  # Lightning's XLA accelerator, on XLA's CPU device where no TPU is
+    if not extra and "plugins" not in cfg.trainer:
         extra["plugins"] = [AtomicCheckpointIO()]
     try:
         return hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **extra)

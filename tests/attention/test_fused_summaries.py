@@ -79,21 +79,44 @@ def test_the_fused_layer_and_its_gradients_equal_the_reference(name, causal, kno
     assert used
 
 
+@pytest.mark.parametrize("name", ["combiner_fixed", "combiner_logsparse"])
+def test_layers_that_pool_differently_never_share_a_layout(name, monkeypatch):
+    """The fused summaries' tables hold the pooling, so a layer pooling by mean built after one pooling by max (same
+    geometry, one process) gets a layout of its own and its own result (they once shared the first one's)."""
+    from longseq.attention.ops.flex import block_masks
+
+    monkeypatch.setattr(block_masks, "_REGISTRY", {})
+    monkeypatch.setattr(engine, "flex_call", dense_flex)
+    q, k, v = random_qkv(L=L, seed=5)
+    for summary in ("max", "mean"):
+        attn, _ = fused_layer(name, False, {"summary": summary})
+        with fused_everywhere():
+            out = engine.flex_forward(attn, q, k, v)
+        torch.testing.assert_close(out, attn.attention_matrix(q, k, v) @ v, atol=1e-12, rtol=0)
+    assert len(block_masks._REGISTRY) == 2
+
+
 KERNEL_CASES = ["combiner_fixed:causal:max:copies", "combiner_fixed:bidirectional:mean",
                 "combiner_logsparse:causal:max", "combiner_mixture:bidirectional:max",
                 "combiner_axial_horizontal:causal:max", "combiner_axial:causal:max",
                 "combiner_axial:bidirectional:max:row_summary=none"]
 
 
-def test_the_triton_kernels_equal_the_reference_in_the_interpreter():
+# the interpreter runs a kernel's programs one by one (about 35 s a case here): the fast suite checks the case with the
+# most paths (max pools, copies of the summaries, prefixes), the slow suite every case
+KERNEL_GROUPS = [KERNEL_CASES[:1], pytest.param(KERNEL_CASES[1:], marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("cases", KERNEL_GROUPS)
+def test_the_triton_kernels_equal_the_reference_in_the_interpreter(cases):
     """Each case's calls with regions: the forward's KV and the backward's q, k, v gradients of the kernels, run by
     Triton's interpreter, against the plain-torch reference and its autograd (fp64): max and mean pools, anchors,
     prefixes, halves, the log-sparse blocks, copies of the summaries, heads-last KV."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "src")}
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "summary_kernels_check.py"), *KERNEL_CASES],
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "summary_kernels_check.py"), *cases],
                           capture_output=True, text=True, env=env, timeout=900)
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == len(KERNEL_CASES), done.stderr[-3000:]
+    assert len(rows) == len(cases), done.stderr[-3000:]
     for row in rows:
         assert row["calls"] >= 1, row
         assert max(row["kv"], row["dq"], row["dk"], row["dv"]) < 1e-12, row

@@ -246,12 +246,13 @@ class Attention(nn.Module):
 
     def flex_key(self) -> tuple:
         """What the variant's flex calls depend on: its class, every plain-valued knob and the keys of the attentions
-        it wraps (``combiner_select``'s inner Combiner holds its block size), so that modules of the same geometry
-        share one static layout (``ops.flex.static_layout``) and any difference gets its own."""
+        it wraps (``combiner_select``'s inner Combiner holds its block size) or that shape its layout (a
+        ``RegionSummary``: its pooling is in the fused summaries' tables), so that modules of the same geometry share
+        one static layout (``ops.flex.static_layout``) and any difference gets its own."""
         knobs = sorted((name, value) for name, value in vars(self).items()
                        if not name.startswith("_") and name != "training"
                        and isinstance(value, (bool, int, float, str, type(None))))
-        inner = tuple((name, child.flex_key()) for name, child in self.named_children() if isinstance(child, Attention))
+        inner = tuple((name, child.flex_key()) for name, child in self.named_children() if hasattr(child, "flex_key"))
         return (type(self).__module__, type(self).__qualname__, *knobs, *inner)
 
     def __getstate__(self) -> dict:

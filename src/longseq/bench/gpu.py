@@ -1,6 +1,11 @@
 """``python -m longseq.bench.gpu [dry=true] [key=value ...]`` (``make gpu-check``; Hydra, conf/gpu_check.yaml): verify
 a CUDA machine in one command and write one markdown report.
 
+0. Calibration (``calibrate``): what one launch and one compiled call cost on this host, so a reader can turn the
+   kernel counts below into host time: back-to-back launches of a 1-element add (host µs per launch; the same
+   launches replayed in one CUDA graph: the GPU's own cost per kernel), and a trivial ``(x * w).sum()`` forward and
+   backward, eager and through ``torch.compile`` (the fixed floor of a compiled call: guards, AOTAutograd's wrappers,
+   ``AccumulateGrad``), also with ``reduce-overhead``.
 1. Correctness: every registered attention on every ``attention.backend`` (``backends``) in each dtype, forward and
    backward, against the ``explicit`` backend in fp64 on the same device, inputs and parameters (rounded to the dtype
    first, so only the computation differs), and the forward against ``attention_matrix @ v`` where the matrix is
@@ -11,15 +16,20 @@ a CUDA machine in one command and write one markdown report.
 2. The Fig. 3 benchmark: the bench's cells (``bench.cell.measure_cell``, ``bench.specs.build_spec``) per shape,
    ratios to ``full`` (SDPA: FlashAttention on CUDA), peak memory (``torch.cuda.max_memory_allocated`` above the
    inputs), and the crossover length from which each variant stays faster than full.
-3. Where the time goes, per layer (``profile``): wall time of a fwd + bwd step against the time the GPU is busy
-   (``torch.profiler``: the sum of its kernels), kernels (GPU ops) per step, host syncs per step
+3. Where the time goes, per layer (``profile``): wall time of a fwd + bwd step as the module is called, against the
+   same step captured once in a CUDA graph and replayed (``cuda_graph_replay``: the GPU's time with no host in the
+   way; their difference is the host's overhead), each with its ratio to full; the time the GPU is busy and the
+   kernels it runs per step (``torch.profiler``; ``step_kernels`` keeps kernels, copies and fills and leaves out the
+   annotation ranges drawn on the GPU's timeline), listed by name; host syncs per step
    (``torch.cuda.set_sync_debug_mode``), block masks built per step (``ops.flex.BUILDS``), peak memory, and the
-   host's time by profiler event and the GPU's by kernel (``largest_events``); at each ``profile.length``, as the
-   module is called and compiled whole with CUDA graphs (``profile.compile``).
+   host's time by profiler event (``largest_events``); at each ``profile.length``, as the module is called and
+   compiled whole (``profile.compile``).
 4. Training: a few optimizer steps of the backbone on the image density geometries (CIFAR-10's 3,072 and
    ImageNet-64's 12,288 tokens) with synthetic tokens under ``torch.autocast(bf16)`` (what Lightning's
-   ``precision=bf16-mixed`` does), eager and ``torch.compile``d (``train.compile``: its modes): tokens/s, peak
-   memory, MFU.
+   ``precision=bf16-mixed`` does), eager and ``torch.compile``d whole (``train.compile``: ``default`` is
+   ``model.compile=true``, the flex layers inlined into one graph; ``reduce-overhead`` replays that graph's forward
+   and backward as CUDA graphs): tokens/s, its ratio to full in the same mode, the graphs dynamo compiled (and any
+   during the timed steps: a recompile), peak memory, MFU.
 5. DDP: the same steps under ``DistributedDataParallel`` over every visible GPU when there are >= 2 (nccl), one
    process per GPU; gradients must agree across ranks (parameters equal after the steps).
 6. ``<out_dir>/<timestamp>/report.md`` (device, versions, every figure), ``results.json``, ``config.yaml``.
@@ -30,10 +40,14 @@ process of its own (a compiler that crashes costs that unit only): the correctne
 the timed stages then run alone in this process on inductor's on-disk caches.
 
 ``time_limit_s`` bounds the whole check (``TimeLimit``): past it nothing starts, a compiling warm-up unit is stopped,
-and what was left out reads ``time_limit``. ``preset=quick`` is the list for one H100 / H200 lease (its warm-up
-alone about 200 s by the stage times of docs/gpu_check_h100.md, an estimate), cut at 270 s; ``dry=true`` runs
-every stage on CPU at tiny sizes (``presets.dry``; DDP as gloo processes), so the pipeline is exercised by the fast
-suite. Exit status 1 when a correctness check or DDP fails or was left out.
+and what was left out reads ``time_limit``. ``preset=quick`` is the list for one H100 / H200 lease, cut at 270 s: the
+calibration, the Combiner layouts' correctness, the layer as called and graph-replayed at the targets' lengths (no
+Fig. 3: the profile times the same layers), training at 3,072 eager, compiled and graph-replayed. By the per-unit
+times of docs/gpu_check_h100.md (an estimate, not yet run whole): start-up and calibration about 25 s, the warm-up
+about 130 s (7 correctness, 9 profile and 9 training units in 8 processes), the timed profile about 55 s and the
+training about 70 s; what does not fit is cut from the end (the last training rows first). ``dry=true`` runs every
+stage on CPU at tiny sizes (``presets.dry``; DDP as gloo processes), so the pipeline is exercised by the fast suite.
+Exit status 1 when a correctness check or DDP fails or was left out.
 """
 
 from __future__ import annotations
@@ -54,7 +68,7 @@ from omegaconf import DictConfig, OmegaConf
 from longseq.bench import cell as cells
 from longseq.bench import report
 from longseq.bench.specs import build_spec, select_attentions
-from longseq.utils.compiling import COMPILE_MODES, compile_module, new_step
+from longseq.utils.compiling import COMPILE_MODES, compile_module, compile_options, compiled_graphs, new_step
 
 # Peak dense bf16 tensor FLOP/s of known devices (vendor data sheets, no sparsity), matched against
 # ``torch.cuda.get_device_name`` in order (the first substring found wins); an unknown device gets no MFU.
@@ -71,7 +85,9 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 PASSED = ("pass", "pass*", "n/a")  # pass*: a pattern_from_data variant judged by its own attention_matrix
 TIME_LIMIT = "time_limit"  # the status of a unit of work the check's time_limit_s left out
-SECTIONS = ("## Device", "## Correctness", "## Fig. 3 benchmark", "## Where the time goes", "## Training", "## DDP")
+SECTIONS = ("## Device", "## Calibration", "## Correctness", "## Fig. 3 benchmark", "## Where the time goes",
+            "### The layer as called and replayed in a CUDA graph", "### Kernels per step", "## Training",
+            "### The whole-step graph against full", "## DDP")
 
 
 # -- what to check --------------------------------------------------------------------------------------------
@@ -158,6 +174,139 @@ def _build(registry_name: str, kwargs: dict[str, Any], backend: str, device: str
         raise AttentionConfigError(f"attention '{registry_name}' has no attention.backend knob")
     torch.manual_seed(seed)
     return build_attention(registry_name, **kwargs).to(device=device, dtype=dtype).eval()
+
+
+# -- timing helpers shared by the stages ------------------------------------------------------------------------
+class NoCudaGraph(RuntimeError):
+    """Why a step cannot be replayed in a CUDA graph here (no CUDA device; a module that replays its own)."""
+
+
+def cuda_graph_replay(step: Callable[[], Any], dev: torch.device, warmup: int) -> Callable[[], None]:
+    """``step`` (the same work on the same tensors each call: a layer's fwd + bwd, N launches) captured once in a
+    CUDA graph -> its replay: the same kernels on the same addresses in one launch, with no Python, dispatcher, guards
+    or autograd engine between them, so a replay takes the GPU's time alone. ``step`` runs ``warmup`` times on a side
+    stream first, as ``torch.cuda.graphs`` asks (compilation and lazy initialisation stay outside the capture);
+    gradients it leaves as None are allocated inside the capture, from the graph's own memory pool. Raises
+    ``NoCudaGraph`` off CUDA; a step that syncs with the host cannot be captured (CUDA's error says so)."""
+    if dev.type != "cuda":
+        raise NoCudaGraph(f"CUDA graphs need a CUDA device (here: {dev.type})")
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(max(1, warmup)):
+            step()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay  # the bound method keeps the graph and its memory pool alive
+
+
+def median_s(fn: Callable[[], Any], dev: torch.device, repeats: int) -> float:
+    """Median wall seconds of ``fn`` over ``repeats`` calls, each between two device syncs."""
+    times = []
+    for _ in range(max(1, repeats)):
+        cells._sync(dev)
+        start = time.perf_counter()
+        fn()
+        cells._sync(dev)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# -- 0. calibration --------------------------------------------------------------------------------------------
+def per_call_us(fn: Callable[[], Any], dev: torch.device, calls: int, warmup: int) -> tuple[float, float, float]:
+    """``fn`` called ``calls`` times back to back (after ``warmup`` calls) -> µs per call: issued (the host's time
+    to return from the calls, before waiting for the GPU), wall (until the GPU finished them), GPU (between two CUDA
+    events around the calls, the GPU's timeline, idle gaps included: NaN off CUDA)."""
+    for _ in range(warmup):
+        fn()
+    cells._sync(dev)
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if dev.type == "cuda" else None
+    start = time.perf_counter()
+    if marks:
+        marks[0].record()
+    for _ in range(calls):
+        fn()
+    if marks:
+        marks[1].record()
+    issued = time.perf_counter() - start
+    cells._sync(dev)
+    wall = time.perf_counter() - start
+    gpu_us = marks[0].elapsed_time(marks[1]) * 1e3 if marks else math.nan
+    return issued * 1e6 / calls, wall * 1e6 / calls, gpu_us / calls
+
+
+def calibrate(cfg: DictConfig, device: str, limit: TimeLimit = NO_LIMIT) -> list[dict[str, Any]]:
+    """One row per calibration measurement (``calibration``): what it is, calls, launches per call, and µs per
+    launch or call (``per_call_us``; ``status`` ok, skipped with the reason, error, or time_limit):
+
+    - a 1-element add launched ``launches`` times (the host's cost per eager launch), and the same launches captured
+      in one CUDA graph and replayed (the GPU's cost per kernel, no host in the way; CUDA only);
+    - ``(x * w).sum()`` over ``size`` elements, forward + backward eager; forward alone (grad enabled) and forward +
+      backward through ``torch.compile`` (``calibration.backend``): the floor every compiled call pays whatever its
+      kernels; and with ``reduce-overhead`` (inductor's CUDA graphs; CUDA with inductor only)."""
+    spec = cfg.calibration
+    dev = torch.device(device)
+    launches, calls, warmup, backend = int(spec.launches), int(spec.calls), int(spec.warmup), str(spec.backend)
+    generator = torch.Generator().manual_seed(int(cfg.seed))
+    counter = torch.zeros(1, device=dev)
+    x = torch.randn(int(spec.size), generator=generator).to(dev)
+    w = torch.randn(int(spec.size), generator=generator).to(dev).requires_grad_(True)
+    rows: list[dict[str, Any]] = []
+
+    def trivial() -> torch.Tensor:
+        return (x * w).sum()
+
+    def forward_backward(fn: Callable[[], torch.Tensor], mode: str = "none") -> Callable[[], None]:
+        def call() -> None:
+            new_step(mode)
+            fn().backward()
+            w.grad = None  # as optimizer.zero_grad(set_to_none=True): AccumulateGrad allocates the gradient again
+        return call
+
+    def launch_all() -> None:
+        for _ in range(launches):
+            counter.add_(1)
+
+    def graph_of_launches() -> Callable[[], None]:
+        return cuda_graph_replay(launch_all, dev, 1)
+
+    def compiled(mode: str) -> Callable[[], torch.Tensor]:
+        if mode == "reduce-overhead" and (dev.type != "cuda" or backend != "inductor"):
+            raise NoCudaGraph(f"reduce-overhead replays CUDA graphs: inductor on a CUDA device only (here: "
+                              f"{dev.type}, backend {backend})")
+        options = compile_options(mode) if backend == "inductor" else {"dynamic": False, "backend": backend}
+        return torch.compile(trivial, **options)
+
+    plan: list[tuple[str, Callable[[], Callable[[], Any]], int, int]] = [  # what, make the call, calls, launches / call
+        ("1-element add, eager launches", lambda: launch_all, 1, launches),
+        ("1-element add, the same launches replayed in one CUDA graph", graph_of_launches, max(1, calls // 20),
+         launches),
+        ("(x * w).sum() forward + backward, eager", lambda: forward_backward(trivial), calls, 1),
+        ("(x * w).sum() forward (grad enabled), compiled", lambda: compiled("default"), calls, 1),
+        ("(x * w).sum() forward + backward, compiled", lambda: forward_backward(compiled("default")), calls, 1),
+        ("(x * w).sum() forward + backward, compiled reduce-overhead",
+         lambda: forward_backward(compiled("reduce-overhead"), "reduce-overhead"), calls, 1),
+    ]
+    for what, make, n_calls, per_call in plan:
+        row: dict[str, Any] = {"what": what, "calls": n_calls, "launches_per_call": per_call, "status": "ok",
+                               "note": "", "host_us": math.nan, "wall_us": math.nan, "gpu_us": math.nan}
+        if limit.passed():
+            rows.append({**row, "status": TIME_LIMIT, "note": limit.note()})
+            continue
+        try:
+            issued, wall, gpu = per_call_us(make(), dev, n_calls, warmup)
+            row.update(host_us=issued / per_call, wall_us=wall / per_call, gpu_us=gpu / per_call)
+        except NoCudaGraph as reason:
+            row.update(status="skipped", note=str(reason))
+        except Exception as error:
+            row.update(status="error", note=cells.error_text(error))
+        print(f"  calibration {what}: {row['status']} {_fmt(row['host_us'], '.1f')} µs issued, "
+              f"{_fmt(row['gpu_us'], '.2f')} µs GPU {row['note'][:100]}", flush=True)
+        rows.append(row)
+    fresh_compiles(device)
+    return rows
 
 
 # -- 1. correctness --------------------------------------------------------------------------------------------
@@ -408,9 +557,10 @@ def profile_lengths(cfg: DictConfig) -> list[int]:
 
 def profile_layer(cfg: DictConfig, name: str, compile_mode: str, device: str, L: int) -> dict[str, Any]:
     """One attention layer's fwd + bwd step at length ``L`` (``profile`` shape, bf16, causal): median wall
-    time, GPU-busy time and GPU ops per step from ``torch.profiler``, host syncs per step (CUDA's sync debug mode;
-    on CPU not counted), block masks built per step, peak memory above the inputs, host time per step and its
-    largest events, the largest GPU kernels (``largest_events``)."""
+    time as called, and replayed in a CUDA graph (``graph_ms``, or ``graph_note`` saying why not); GPU-busy time,
+    kernels, copies and fills per step and the kernels by name from ``torch.profiler`` (``step_kernels``), host syncs
+    per step (CUDA's sync debug mode; on CPU not counted), block masks built per step, peak memory above the inputs,
+    host time per step and its largest events (``largest_events``)."""
     import warnings
 
     from longseq.attention import build_attention
@@ -444,15 +594,9 @@ def profile_layer(cfg: DictConfig, name: str, compile_mode: str, device: str, L:
         torch.cuda.reset_peak_memory_stats(dev)
         baseline = torch.cuda.memory_allocated(dev)
     before = BUILDS["block_masks"]
-    times = []
-    for _ in range(int(spec_cfg.repeats)):
-        cells._sync(dev)
-        start = time.perf_counter()
-        step()
-        cells._sync(dev)
-        times.append(time.perf_counter() - start)
-    row["block_masks_per_step"] = (BUILDS["block_masks"] - before) / len(times)
-    row["wall_ms"] = statistics.median(times) * 1e3
+    repeats = int(spec_cfg.repeats)
+    row["wall_ms"] = median_s(step, dev, repeats) * 1e3
+    row["block_masks_per_step"] = (BUILDS["block_masks"] - before) / max(1, repeats)
     if dev.type == "cuda":
         row["peak_mem_mb"] = (torch.cuda.max_memory_allocated(dev) - baseline) / 2**20
         with warnings.catch_warnings(record=True) as caught:
@@ -471,34 +615,112 @@ def profile_layer(cfg: DictConfig, name: str, compile_mode: str, device: str, L:
         for _ in range(steps):
             step()
         cells._sync(dev)
-    kernels = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    row["gpu_ops_per_step"] = len(kernels) / steps
-    row["gpu_busy_ms"] = sum(e.time_range.elapsed_us() for e in kernels) / steps / 1e3
+    row.update(step_kernels(profiler.events(), steps))
     if dev.type == "cuda" and row["wall_ms"] > 0:
         row["busy_share"] = row["gpu_busy_ms"] / row["wall_ms"]
-    averages = profiler.key_averages()
-    row["host_ms"], row["host_top"] = largest_events(averages, steps, "cpu")
-    if dev.type == "cuda":
-        row["gpu_top"] = largest_events(averages, steps, "cuda")[1]
+    row["host_ms"], row["host_top"] = largest_events(profiler.key_averages(), steps)
+    row.update(graph_timing(step, dev, compile_mode, int(spec_cfg.warmup), repeats))
     return row
 
 
-TOP_EVENTS = 6  # events listed per profiled layer, on each side
+def graph_timing(step: Callable[[], None], dev: torch.device, compile_mode: str, warmup: int,
+                 repeats: int) -> dict[str, Any]:
+    """The profiled step captured in one CUDA graph and replayed (``cuda_graph_replay``) -> ``graph_ms`` (median
+    wall time of a replay: the GPU's time for the step) or ``graph_note`` (why there is none: no CUDA device, a
+    module compiled with ``reduce-overhead`` replays graphs of its own, a capture that failed). Last in a profiled
+    layer, so the graph's memory pool changes no figure before it; freed afterwards."""
+    if compile_mode == "reduce-overhead":
+        return {"graph_ms": math.nan, "graph_note": "n/a: reduce-overhead already replays CUDA graphs"}
+    try:
+        replay = cuda_graph_replay(step, dev, warmup)
+    except NoCudaGraph as reason:
+        return {"graph_ms": math.nan, "graph_note": f"skipped: {reason}"}
+    except Exception as error:
+        return {"graph_ms": math.nan, "graph_note": f"capture failed: {cells.error_text(error)}"}
+    try:
+        return {"graph_ms": median_s(replay, dev, repeats) * 1e3, "graph_note": ""}
+    finally:
+        del replay
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
 
 
-def largest_events(averages, steps: int, side: str) -> tuple[float, list[tuple[str, float, float]]]:
-    """Where a profiled step's time goes on one side (``side``: "cpu", the host's self time per event; "cuda", the
-    GPU time per kernel) -> the side's total per step in ms and its ``TOP_EVENTS`` largest events as ``(name,
-    µs per step, calls per step)``. A layer whose GPU idles most of its wall time (docs/gpu_check_h100.md: 13 %
-    busy) is bound by the host's: dynamo's guards ("TorchDynamo Cache Lookup"), the compiled graph's wrappers
-    ("CompiledFunction", "## Call CompiledFxGraph"), kernel launches, autograd; one that keeps it busy, by its
-    kernels."""
-    if side == "cpu":
-        events = [(e.key, e.self_cpu_time_total, e.count) for e in averages
-                  if e.device_type == torch.autograd.DeviceType.CPU and e.self_cpu_time_total > 0]
-    else:
-        events = [(e.key, e.self_device_time_total, e.count) for e in averages
-                  if e.device_type == torch.autograd.DeviceType.CUDA]  # kernels, not the ops that launched them
+def add_profile_ratios(rows: list[dict[str, Any]]) -> None:
+    """Each profiled row's wall and CUDA-graph times as ratios to full's at the same length and compile mode
+    (``ratio_to_full``, ``graph_ratio_to_full``; NaN where either side has none), and the host's overhead: wall time
+    as called minus the replay's (``host_overhead_ms``), also as a share of the wall time."""
+    def key(r):
+        return r["length"], r["compile"]
+
+    full = {key(r): r for r in rows if r["attention"] == "full" and r["status"] == "ok"}
+    for row in rows:
+        if row["status"] != "ok":
+            continue
+        reference = full.get(key(row), {})
+        for value, ratio in (("wall_ms", "ratio_to_full"), ("graph_ms", "graph_ratio_to_full")):
+            mine, theirs = row.get(value, math.nan), reference.get(value, math.nan)
+            row[ratio] = mine / theirs if theirs and not math.isnan(theirs) else math.nan
+        row["host_overhead_ms"] = row["wall_ms"] - row.get("graph_ms", math.nan)
+        row["host_share"] = row["host_overhead_ms"] / row["wall_ms"] if row["wall_ms"] > 0 else math.nan
+
+
+TOP_EVENTS = 6  # host events listed per profiled layer
+KERNELS_LISTED = 12  # kernels listed per profiled layer, largest GPU time first
+
+# torch.profiler's activity types (kineto's names) of the work a GPU does; every other event on the GPU's timeline
+# is an annotation (a record_function range drawn over the kernels it encloses) or bookkeeping, not work
+GPU_WORK = {"kernel": "kernel", "gpu_memcpy": "copy", "gpu_memset": "fill"}
+
+
+def gpu_activity(event: Any) -> str | None:
+    """What one ``torch.profiler`` event (``FunctionEvent``) is on the GPU: ``kernel``, ``copy`` (memcpy), ``fill``
+    (memset), ``annotation`` (``is_user_annotation``: a range torch's own device totals leave out, since it spans
+    kernels counted already), ``other`` (another event on the GPU's timeline), or None (a host event). Where the
+    event has no ``activity_type`` (older torch), copies and fills are told by their names."""
+    if event.device_type != torch.autograd.DeviceType.CUDA:
+        return None
+    activity = getattr(event, "activity_type", None) or ""
+    if getattr(event, "is_user_annotation", False) or "annotation" in activity:
+        return "annotation"
+    if activity:
+        return GPU_WORK.get(activity, "other")
+    return "copy" if event.name.startswith("Memcpy") else "fill" if event.name.startswith("Memset") else "kernel"
+
+
+def step_kernels(events: Any, steps: int) -> dict[str, Any]:
+    """``torch.profiler``'s events over ``steps`` steps -> per step: ``kernels_per_step``, ``copies_per_step``
+    (copies and fills), ``annotations_per_step`` and ``other_gpu_per_step`` (on the GPU's timeline, left out),
+    ``gpu_busy_ms`` (the kernels', copies' and fills' time) and ``kernels``: every kernel name as ``(name, µs per
+    step, calls per step)``, largest GPU time first (``gpu_activity``)."""
+    counts = {"kernel": 0, "copy": 0, "fill": 0, "annotation": 0, "other": 0}
+    busy_us = 0.0
+    by_name: dict[str, list[float]] = {}
+    for event in events:
+        kind = gpu_activity(event)
+        if kind is None:
+            continue
+        counts[kind] += 1
+        if kind in ("kernel", "copy", "fill"):
+            busy_us += event.time_range.elapsed_us()
+        if kind == "kernel":
+            total = by_name.setdefault(event.name, [0.0, 0])
+            total[0] += event.time_range.elapsed_us()
+            total[1] += 1
+    kernels = sorted(((name, us / steps, calls / steps) for name, (us, calls) in by_name.items()),
+                     key=lambda kernel: kernel[1], reverse=True)
+    return {"kernels_per_step": counts["kernel"] / steps, "copies_per_step": (counts["copy"] + counts["fill"]) / steps,
+            "annotations_per_step": counts["annotation"] / steps, "other_gpu_per_step": counts["other"] / steps,
+            "gpu_busy_ms": busy_us / steps / 1e3, "kernels": kernels}
+
+
+def largest_events(averages, steps: int) -> tuple[float, list[tuple[str, float, float]]]:
+    """Where a profiled step's host time goes: the self CPU time of every ``key_averages`` event -> the total per
+    step in ms and the ``TOP_EVENTS`` largest events as ``(name, µs per step, calls per step)``. A layer whose GPU
+    idles most of its wall time (docs/gpu_check_h100.md: 13 % busy) is bound by the host's: dynamo's guards
+    ("TorchDynamo Cache Lookup"), the compiled graph's wrappers ("CompiledFunction", "## Call CompiledFxGraph"),
+    kernel launches, autograd; one that keeps it busy, by its kernels (``step_kernels`` lists them)."""
+    events = [(e.key, e.self_cpu_time_total, e.count) for e in averages
+              if e.device_type == torch.autograd.DeviceType.CPU and e.self_cpu_time_total > 0]
     events.sort(key=lambda event: event[1], reverse=True)
     total = sum(us for _, us, _ in events) / steps / 1e3
     return total, [(name, us / steps, count / steps) for name, us, count in events[:TOP_EVENTS]]
@@ -522,6 +744,7 @@ def run_profile(cfg: DictConfig, device: str, limit: TimeLimit = NO_LIMIT) -> li
             f"{k} {_fmt(v, '.3g')}" for k, v in rows[-1].items() if isinstance(v, float)), flush=True)
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
+    add_profile_ratios(rows)
     return rows
 
 
@@ -557,8 +780,9 @@ def model_flops_per_token(model: torch.nn.Module, cfg: DictConfig, seq_len: int)
 
 
 def _train_steps(model: torch.nn.Module, cfg: DictConfig, device: str, steps: int, warmup: int,
-                 tokens: torch.Tensor, compile_mode: str = "none") -> float:
-    """Median seconds per AdamW step (next-token loss) under the configured precision."""
+                 tokens: torch.Tensor, compile_mode: str = "none", graphs: list[int] | None = None) -> float:
+    """Median seconds per AdamW step (next-token loss) under the configured precision. ``graphs``: filled with
+    dynamo's graph count (``compiled_graphs``) before the first step, after the warm-up steps and after the last."""
     from longseq.bench.throughput import next_token_loss
 
     if cfg.precision not in ("bf16-mixed", "32-true"):
@@ -568,6 +792,8 @@ def _train_steps(model: torch.nn.Module, cfg: DictConfig, device: str, steps: in
     device_type = torch.device(device).type
     times = []
     for step in range(warmup + steps):
+        if graphs is not None:  # before the first step, and before the first timed one (the same with no warm-up)
+            graphs += [compiled_graphs()] * ((step == 0) + (step == warmup))
         batch = tokens[step % tokens.shape[0]].to(device)
         cells._sync(torch.device(device))
         start = time.perf_counter()
@@ -579,6 +805,8 @@ def _train_steps(model: torch.nn.Module, cfg: DictConfig, device: str, steps: in
         optimizer.step()
         cells._sync(torch.device(device))
         times.append(time.perf_counter() - start)
+    if graphs is not None:
+        graphs.append(compiled_graphs())
     if not math.isfinite(loss.item()):
         raise FloatingPointError(f"non-finite loss {loss.item()}")
     return statistics.median(times[warmup:] or times)
@@ -593,8 +821,10 @@ def train_cases(cfg: DictConfig) -> list[tuple[str, int, int, str]]:
 
 def run_training(cfg: DictConfig, device: str, flops: float | None, log: bool = True,
                  limit: TimeLimit = NO_LIMIT) -> list[dict[str, Any]]:
-    """One row per attention, geometry and compile mode: tokens/s, peak memory (CUDA), MFU (where the device's peak
-    is known). ``log``: a line per row (off in the warm-up, whose steps share the GPU and time nothing)."""
+    """One row per attention, geometry and compile mode: tokens/s, the graphs dynamo compiled over the row's steps
+    (``graphs``) and over its timed steps (``graphs_in_timed_steps``: a recompile, which the timing then includes),
+    peak memory (CUDA), MFU (where the device's peak is known). ``log``: a line per row (off in the warm-up, whose
+    steps share the GPU and time nothing)."""
     spec = cfg.train
     steps, warmup = int(spec.steps), int(spec.warmup)
     rows = []
@@ -616,9 +846,12 @@ def run_training(cfg: DictConfig, device: str, flops: float | None, log: bool = 
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
-            step_s = _train_steps(model, spec, device, steps, warmup, tokens, compile_mode)
+            graphs: list[int] = []
+            step_s = _train_steps(model, spec, device, steps, warmup, tokens, compile_mode, graphs)
             row["tokens_per_s"] = int(spec.batch) * seq_len / step_s
             row["step_ms"] = step_s * 1e3
+            # one graph for a backbone compiled whole (its flex layers inlined); eager, the layers' own graph(s)
+            row["graphs"], row["graphs_in_timed_steps"] = graphs[-1] - graphs[0], graphs[-1] - graphs[1]
             if device.startswith("cuda"):
                 row["peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
             if flops:
@@ -841,60 +1074,145 @@ def crossover_table(tables: list[list[dict[str, Any]]], shapes: list[dict[str, A
     return "\n".join(lines)
 
 
+def calibration_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| what | calls | launches / call | host µs (issued) | wall µs | GPU µs | status |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['what']} | {r.get('calls', '')} | {r.get('launches_per_call', '')} | "
+                     f"{_fmt(r.get('host_us'), ',.2f')} | {_fmt(r.get('wall_us'), ',.2f')} | "
+                     f"{_fmt(r.get('gpu_us'), ',.2f')} | {r['status']}{(': ' + r['note']) if r.get('note') else ''} |")
+    return "\n".join(lines)
+
+
 def profile_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| attention | L | compile | wall ms | GPU-busy ms | busy share | GPU ops / step | host syncs / step | "
-             "block masks built / step | peak MB | status |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| attention | L | compile | wall ms | GPU-busy ms | busy share | kernels / step | copies + fills / step | "
+             "host syncs / step | block masks built / step | peak MB | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['attention']} | {r['length']} | {r['compile']} | {_fmt(r.get('wall_ms'), '.3f')} | "
                      f"{_fmt(r.get('gpu_busy_ms'), '.3f')} | {_fmt(r.get('busy_share'), '.0%')} | "
-                     f"{_fmt(r.get('gpu_ops_per_step'), '.0f')} | {_fmt(r.get('host_syncs_per_step'), 'd')} | "
+                     f"{_fmt(r.get('kernels_per_step'), '.0f')} | {_fmt(r.get('copies_per_step'), '.0f')} | "
+                     f"{_fmt(r.get('host_syncs_per_step'), 'd')} | "
                      f"{_fmt(r.get('block_masks_per_step'), '.2g')} | {_fmt(r.get('peak_mem_mb'), ',.1f')} | "
                      f"{r['status']}{(': ' + r['note']) if r.get('note') else ''} |")
     return "\n".join(lines)
 
 
+def graph_table(rows: list[dict[str, Any]]) -> str:
+    """Each profiled layer as called and replayed in a CUDA graph (``graph_timing``), with ratios to full
+    (``add_profile_ratios``) and the host's overhead."""
+    lines = ["| attention | L | compile | as called ms | ratio to full | CUDA graph ms | ratio to full | "
+             "host overhead ms | host share | note |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        lines.append(f"| {r['attention']} | {r['length']} | {r['compile']} | {_fmt(r.get('wall_ms'), '.3f')} | "
+                     f"{_fmt(r.get('ratio_to_full'), '.2f')} | {_fmt(r.get('graph_ms'), '.3f')} | "
+                     f"{_fmt(r.get('graph_ratio_to_full'), '.2f')} | {_fmt(r.get('host_overhead_ms'), '.3f')} | "
+                     f"{_fmt(r.get('host_share'), '.0%')} | {r.get('graph_note', '')} |")
+    return "\n".join(lines)
+
+
+def _listed(events: list, limit: int) -> str:
+    """``(name, µs per step, calls per step)`` as markdown, the first ``limit``, then how many more."""
+    text = "; ".join(f"`{name[:60].replace('|', '/')}` {us:,.1f} ({calls:.0f})" for name, us, calls in events[:limit])
+    return text + (f"; ... {len(events) - limit} more" if len(events) > limit else "")
+
+
+def kernels_table(rows: list[dict[str, Any]]) -> str:
+    """The profiled layers' kernels per step (``step_kernels``), by name, largest GPU time first (the first
+    ``KERNELS_LISTED``)."""
+    lines = ["| attention | L | compile | kernels / step | copies + fills / step | annotations left out / step | "
+             "kernels: GPU µs / step (calls / step), largest first |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "kernels" in r:
+            listed = _listed(r["kernels"], KERNELS_LISTED) or "none (no CUDA device)"
+            lines.append(f"| {r['attention']} | {r['length']} | {r['compile']} | "
+                         f"{_fmt(r['kernels_per_step'], '.0f')} | {_fmt(r['copies_per_step'], '.0f')} | "
+                         f"{_fmt(r['annotations_per_step'], '.0f')} | {listed} |")
+    return "\n".join(lines)
+
+
 def events_table(rows: list[dict[str, Any]]) -> str:
-    """The profiled layers' host time per step with its largest events, and their largest GPU kernels
-    (``largest_events``)."""
-    lines = ["| attention | L | compile | host ms / step | largest host events: self µs / step (calls / step) | "
-             "largest GPU kernels: µs / step (calls / step) |", "|---|---|---|---|---|---|"]
-
-    def listed(events) -> str:
-        return "; ".join(f"`{name[:60]}` {us:,.0f} ({calls:.0f})" for name, us, calls in events)
-
+    """The profiled layers' host time per step with its largest events (``largest_events``)."""
+    lines = ["| attention | L | compile | host ms / step | largest host events: self µs / step (calls / step) |",
+             "|---|---|---|---|---|"]
     for r in rows:
         if "host_top" in r:
             lines.append(f"| {r['attention']} | {r['length']} | {r['compile']} | {_fmt(r.get('host_ms'), '.3f')} | "
-                         f"{listed(r['host_top'])} | {listed(r.get('gpu_top', []))} |")
+                         f"{_listed(r['host_top'], TOP_EVENTS)} |")
     return "\n".join(lines)
+
+
+def _full_tokens(rows: list[dict[str, Any]]) -> dict[tuple[int, str], float]:
+    return {(r["seq_len"], r["compile"]): r.get("tokens_per_s") for r in rows if r["attention"] == "full"}
 
 
 def training_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| attention | L | compile | tokens/s | ratio to full | step ms | peak MB | MFU | status |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    full = {(r["seq_len"], r["compile"]): r.get("tokens_per_s") for r in rows if r["attention"] == "full"}
+    lines = ["| attention | L | compile | tokens/s | ratio to full | step ms | graphs (in timed steps) | peak MB | MFU | "
+             "status |", "|---|---|---|---|---|---|---|---|---|---|"]
+    full = _full_tokens(rows)
     for r in rows:
         reference = full.get((r["seq_len"], r["compile"]))
         ratio = r.get("tokens_per_s", math.nan) / reference if reference else math.nan
+        graphs = f"{r['graphs']} ({r['graphs_in_timed_steps']})" if "graphs" in r else ""
         lines.append(f"| {r['attention']} | {r['seq_len']} | {r['compile']} | {_fmt(r.get('tokens_per_s'), ',.0f')} | "
-                     f"{_fmt(ratio, '.2f')} | {_fmt(r.get('step_ms'), '.1f')} | {_fmt(r.get('peak_mem_mb'), ',.0f')} | "
-                     f"{_fmt(r.get('mfu'), '.1%')} | {r['status']}{(': ' + r['note']) if r.get('note') else ''} |")
+                     f"{_fmt(ratio, '.2f')} | {_fmt(r.get('step_ms'), '.1f')} | {graphs} | "
+                     f"{_fmt(r.get('peak_mem_mb'), ',.0f')} | {_fmt(r.get('mfu'), '.1%')} | "
+                     f"{r['status']}{(': ' + r['note']) if r.get('note') else ''} |")
     return "\n".join(lines)
 
 
-def write_report(out: Path, cfg: DictConfig, env: dict[str, Any], correctness: list, fig3: list, profile: list,
-                 training: list, ddp: dict[str, Any], flops: float | None) -> str:
+def whole_step_table(rows: list[dict[str, Any]]) -> str:
+    """Training tokens/s per attention and length, one column per compile mode (``ratio`` to full in the same mode),
+    and each side at its fastest mode: the variant's best tokens/s over full's best."""
+    modes = list(dict.fromkeys(r["compile"] for r in rows))
+    full = _full_tokens(rows)
+    by_key = {(r["attention"], r["seq_len"], r["compile"]): r for r in rows}
+    lines = ["| attention | L | " + " | ".join(f"{mode}: tokens/s (ratio)" for mode in modes) +
+             " | best mode (ratio to full's best) |", "|---|---|" + "---|" * (len(modes) + 1)]
+    for name, seq_len in dict.fromkeys((r["attention"], r["seq_len"]) for r in rows):
+        cells_, best = [], (math.nan, "")
+        for mode in modes:
+            r = by_key.get((name, seq_len, mode))
+            tokens = r.get("tokens_per_s", math.nan) if r and r["status"] == "ok" else math.nan
+            reference = full.get((seq_len, mode))
+            ratio = tokens / reference if reference and not math.isnan(reference) else math.nan
+            cells_.append(f"{_fmt(tokens, ',.0f')} ({_fmt(ratio, '.2f')})" if not math.isnan(tokens)
+                          else (r["status"] if r else ""))
+            if not math.isnan(tokens) and (math.isnan(best[0]) or tokens > best[0]):
+                best = (tokens, mode)
+        full_best = max((v for (length, _), v in full.items() if length == seq_len and v and not math.isnan(v)),
+                        default=math.nan)
+        ratio = best[0] / full_best if full_best and not math.isnan(full_best) else math.nan
+        lines.append(f"| {name} | {seq_len} | " + " | ".join(cells_) +
+                     f" | {best[1]} ({_fmt(ratio, '.2f')}) |")
+    return "\n".join(lines)
+
+
+def write_report(out: Path, cfg: DictConfig, env: dict[str, Any], calibration: list, correctness: list, fig3: list,
+                 profile: list, training: list, ddp: dict[str, Any], flops: float | None) -> str:
     shapes = OmegaConf.to_object(cfg.fig3.shapes)
     modes = _modes(cfg.fig3.mode)
     fig3_compile = compile_modes(cfg.fig3.get("compile", "none"))
     counts = {s: sum(r["status"] == s for r in correctness) for s in ("pass", "pass*", "FAIL", "error", "n/a")}
+    c = cfg.calibration
     lines = [f"# longseq gpu-check{' (dry: CPU, tiny sizes)' if cfg.dry else ''}", "",
              "## Device", ""]
     lines += [f"- {key}: {value}" for key, value in env.items()]
-    cut = units_cut(correctness, fig3, profile, training, ddp)
+    cut = units_cut(calibration, correctness, fig3, profile, training, ddp)
     if cut:
         lines.append(f"- **{cut} unit(s) of work not run: past time_limit_s={cfg.time_limit_s:g}** (status time_limit)")
     lines += [f"- peak bf16 FLOP/s used for MFU: {_fmt(flops, '.3g') or 'unknown device: MFU omitted'}", "",
+              "## Calibration", "",
+              f"What one launch and one compiled call cost on this host. µs per launch (the add rows: "
+              f"{c.launches} back-to-back launches of a 1-element add) or per call ((x * w).sum() over {c.size} "
+              f"elements, w requiring grad; {c.calls} calls after {c.warmup}; compiled with torch.compile backend "
+              f"{c.backend}, static shapes). host: the calls returned (issued, not waited for); wall: the device "
+              "finished them; GPU: between two CUDA events around them (the GPU's timeline, gaps included). The "
+              "graph row is the GPU's own cost per kernel. To read a layer below: its host time is about the compiled "
+              "fwd + bwd row (once per compiled call) plus its kernels per step times the host µs per launch; "
+              "what the graph-replayed layer saves is that host time.", "",
+              calibration_table(calibration), "",
               "## Correctness", "",
               f"Every attention x backend x dtype against the explicit backend in fp64 on the same device "
               f"(L={cfg.correctness.seq_len}, B={cfg.correctness.batch}, H={cfg.correctness.heads}, "
@@ -905,43 +1223,63 @@ def write_report(out: Path, cfg: DictConfig, env: dict[str, Any], correctness: l
               "others in this dtype than in fp64; its output matched its own attention_matrix @ v in this dtype "
               "(the gradients have no reference of the same choices).", "",
               correctness_table(correctness), "",
-              "## Fig. 3 benchmark", "",
-              f"{cfg.fig3.dtype}, causal={cfg.fig3.causal}, median of {cfg.fig3.repeats} after {cfg.fig3.warmup} "
-              "warm-up; ms (ratio to full = SDPA) / peak MB above the inputs.", ""]
-    for shape, rows in zip(shapes, fig3):
+              "## Fig. 3 benchmark", ""]
+    if not cfg.fig3.lengths or not shapes:
+        lines += ["Not run: no fig3.lengths or fig3.shapes in this configuration (the quick preset's profile below "
+                  "times the same layers, as called and replayed in a CUDA graph).", ""]
+    else:
+        lines += [f"{cfg.fig3.dtype}, causal={cfg.fig3.causal}, median of {cfg.fig3.repeats} after "
+                  f"{cfg.fig3.warmup} warm-up; ms (ratio to full = SDPA) / peak MB above the inputs.", ""]
+        for shape, rows in zip(shapes, fig3):
+            for mode in modes:
+                for compile_mode in fig3_compile:
+                    chosen = [r for r in rows if r.get("compile", "none") == compile_mode]
+                    lines += [f"### {mode}, B={shape['batch']} H={shape['heads']} D={shape['head_dim']}, module "
+                              f"compile: {compile_mode}", "", report.markdown_table(chosen, mode), ""]
         for mode in modes:
             for compile_mode in fig3_compile:
-                chosen = [r for r in rows if r.get("compile", "none") == compile_mode]
-                lines += [f"### {mode}, B={shape['batch']} H={shape['heads']} D={shape['head_dim']}, module compile: "
-                          f"{compile_mode}", "", report.markdown_table(chosen, mode), ""]
-    for mode in modes:
-        for compile_mode in fig3_compile:
-            lines += [f"### crossover ({mode}, compile {compile_mode}): shortest L from which the variant is faster "
-                      "than full", "", crossover_table(fig3, shapes, mode, compile_mode), ""]
+                lines += [f"### crossover ({mode}, compile {compile_mode}): shortest L from which the variant is "
+                          "faster than full", "", crossover_table(fig3, shapes, mode, compile_mode), ""]
     p, t = cfg.profile, cfg.train
     lines += ["## Where the time goes", "",
-              f"One layer's fwd + bwd step at L={', '.join(map(str, profile_lengths(cfg)))}, B={p.batch} H={p.heads} D={p.head_dim}, {p.dtype}, causal; "
-              f"median wall time of {p.repeats} steps (the module as training calls it, or compiled whole); GPU-busy "
-              f"time and GPU ops (kernels, copies, fills) from torch.profiler over {p.profiled} steps; host syncs from "
-              "CUDA's sync debug mode over one step; block masks built per step outside a compiled graph (a static layout "
-              "rebuilt; the k-means layouts build theirs on the device inside the compiled step, not counted); peak "
-              "memory above the inputs.", "",
+              f"One layer's fwd + bwd step at L={', '.join(map(str, profile_lengths(cfg)))}, B={p.batch} H={p.heads} "
+              f"D={p.head_dim}, {p.dtype}, causal; median wall time of {p.repeats} steps (the module as training calls "
+              f"it, or compiled whole); GPU-busy time, kernels and copies + fills (annotation ranges left out) from "
+              f"torch.profiler over {p.profiled} steps; host syncs from CUDA's sync debug mode over one step; block "
+              "masks built per step outside a compiled graph (a static layout rebuilt; the k-means layouts build theirs "
+              "on the device inside the compiled step, not counted); peak memory above the inputs.", "",
               profile_table(profile), "",
-              "Host time per step (torch.profiler's self CPU time of every event, summed), the events that take "
-              "most of it, and the kernels that take most of the GPU-busy time:", "",
+              "### The layer as called and replayed in a CUDA graph", "",
+              "The same step captured once in a CUDA graph (static inputs, gradients from the graph's pool) and "
+              f"replayed: median of {p.repeats} replays, the GPU's time with no host in the way. Ratios to full at the "
+              "same length and compile mode, both sides timed the same way; host overhead = as called - replayed.", "",
+              graph_table(profile), "",
+              "### Kernels per step", "",
+              f"Kernels per step by name (torch.profiler events on the GPU that are kernels: copies and fills counted "
+              f"apart, annotation ranges left out), largest GPU time first, the first {KERNELS_LISTED}:", "",
+              kernels_table(profile), "",
+              "Host time per step (torch.profiler's self CPU time of every event, summed) and the events that take "
+              "most of it:", "",
               events_table(profile), "",
               "## Training", "",
               f"{t.precision}, synthetic tokens, batch {t.batch}, {t.n_layers} layers d={t.d_model} H={t.n_heads}, "
               f"AdamW; median of {t.steps} steps after {t.warmup}; compile = the backbone through torch.compile with "
-              "that mode (none: eager, the attention layers' own compiled graphs inside). MFU = model FLOPs "
+              "that mode: default is model.compile=true (the flex layers inlined, one graph), reduce-overhead also "
+              "replays its forward and backward as CUDA graphs (the whole step but the loss and the optimizer), none "
+              "is eager (the attention layers' own compiled graphs inside). graphs: dynamo's graphs made by the row's "
+              "steps, in brackets those made in the timed steps (a recompile). MFU = model FLOPs "
               "(6 N + 12 n_layers d L per token) x tokens/s / peak FLOP/s.", "",
               training_table(training), "",
+              "### The whole-step graph against full", "",
+              "tokens/s per compile mode, in brackets the ratio to full's in the same mode (same process); last, the "
+              "fastest mode of each and its tokens/s over full's fastest.", "",
+              whole_step_table(training), "",
               "## DDP", ""]
     lines += [f"- {key}: {value}" for key, value in ddp.items()]
     text = "\n".join(lines) + "\n"
     (out / "report.md").write_text(text)
-    report.write_json({"env": env, "correctness": correctness, "fig3": fig3, "profile": profile, "training": training,
-                       "ddp": ddp}, out / "results.json")
+    report.write_json({"env": env, "calibration": calibration, "correctness": correctness, "fig3": fig3,
+                       "profile": profile, "training": training, "ddp": ddp}, out / "results.json")
     return text
 
 
@@ -963,19 +1301,21 @@ def run_gpu_check(cfg: DictConfig) -> tuple[Path, bool]:
     flops = peak_flops(env.get("gpu")) if device.startswith("cuda") else None
     print(f"gpu-check on {env['gpu'] or env['cpu']} ({device}) -> {out}", flush=True)
     stages: dict[str, float] = {}
-    done: dict[str, Any] = {"correctness": [], "fig3": [], "profile": [], "training": [],
+    done: dict[str, Any] = {"calibration": [], "correctness": [], "fig3": [], "profile": [], "training": [],
                             "ddp": {"status": "not run yet"}}
 
     def stage(key: str, title: str, fn, *args) -> None:
         # the report is rewritten after every stage: a run stopped later (a time limit, a lost machine) keeps
         # what it measured
-        print(f"{len(stages) + 1}/5 {title} ...", flush=True)
+        print(f"{len(stages) + 1}/{len(done)} {title} ...", flush=True)
         start = time.perf_counter()
         done[key] = fn(*args)
         stages[title] = time.perf_counter() - start
         env["stage_seconds"] = ", ".join(f"{k} {v:.1f}" for k, v in stages.items())
         write_report(out, cfg, env, **done, flops=flops)
 
+    # first, alone on the machine: the host's costs before any other stage's processes share it
+    stage("calibration", "calibration", calibrate, cfg, device, limit)
     compiled: set[tuple[str, tuple]] = set()
     if int(cfg.workers) > 1:  # every stage's compilation at once; the correctness rows come from it
 
@@ -1003,9 +1343,10 @@ def run_gpu_check(cfg: DictConfig) -> tuple[Path, bool]:
     return out, ok
 
 
-def units_cut(correctness: list, fig3: list, profile: list, training: list, ddp: dict[str, Any]) -> int:
+def units_cut(calibration: list, correctness: list, fig3: list, profile: list, training: list,
+              ddp: dict[str, Any]) -> int:
     """Units of work (rows, cells, DDP) the time limit left out of a check's results."""
-    rows = [*correctness, *(r for table in fig3 for r in table), *profile, *training, ddp]
+    rows = [*calibration, *correctness, *(r for table in fig3 for r in table), *profile, *training, ddp]
     return sum(r.get("status") == TIME_LIMIT for r in rows)
 
 

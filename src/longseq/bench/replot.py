@@ -1,5 +1,5 @@
 """``python -m longseq.bench.replot <results.csv> [--out plot.png] [--title ...]``: the figure of a saved run drawn
-again by ``report.benchmark_figure`` (``make bench`` draws it at the end of a run), e.g. the README's
+again by ``report.benchmark_figure`` (``make bench`` draws it at the end of a run), e.g. docs/performance.md's
 ``docs/bench_cpu_fwd_bwd.png`` from ``docs/bench_cpu_fwd_bwd.csv``."""
 
 from __future__ import annotations

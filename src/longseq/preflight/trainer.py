@@ -255,10 +255,13 @@ def check_with_lightning(cfg: DictConfig) -> int:
     counts it."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
+    from longseq.utils.xla import trainer_accelerator
+
     with quiet_lightning_setup():
         callbacks = instantiate_callbacks(cfg.get("callbacks"))
         try:
-            trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=False)
+            trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=False,
+                                              **trainer_accelerator(cfg.trainer))
         except InstantiationException as exc:
             cause = exc.__cause__
             if isinstance(cause, ConfigError):

@@ -30,6 +30,10 @@ def register_resolvers() -> None:
         from longseq.models.layer_plan import attention_presets
 
         OmegaConf.register_new_resolver("attention_presets", attention_presets)
+    if not OmegaConf.has_resolver("recall_window"):  # the recall study's short window (conf/recall/arm/local_short)
+        from longseq.data.recall import recall_window
+
+        OmegaConf.register_new_resolver("recall_window", recall_window)
 
 
 def print_config_tree(cfg: DictConfig, save_to: Path | None = None, order: Sequence[str] = PRINT_ORDER,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Any
 
 from lightning.pytorch.accelerators import XLAAccelerator
 
@@ -64,6 +65,12 @@ def tpu_accelerator() -> str | XLAAccelerator:
     for key, value in NO_TPU_ENV.items():
         os.environ.setdefault(key, value)
     return XLACPUAccelerator()
+
+
+def trainer_accelerator(trainer_cfg: Any) -> dict[str, Any]:
+    """The ``accelerator`` argument that replaces ``trainer.accelerator`` when a Trainer is built (the run's, and the
+    pre-flight's that runs Lightning's checks): ``tpu_accelerator()`` for ``tpu``; nothing to replace otherwise."""
+    return {"accelerator": tpu_accelerator()} if trainer_cfg.get("accelerator") == "tpu" else {}
 
 
 class XLACPUAccelerator(XLAAccelerator):

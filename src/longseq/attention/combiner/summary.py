@@ -46,6 +46,10 @@ class RegionSummary(nn.Module):
     def has_parameters(self) -> bool:
         return self.phi_query is not None
 
+    def flex_key(self) -> tuple:
+        """Its part of the owning attention's ``flex_key``: the pooling, which the fused summaries' tables hold."""
+        return (type(self).__qualname__, self.kind)
+
     @property
     def poolable(self) -> bool:
         """The pool acts on the queries and keys themselves (``max``, ``mean``): ``ops.flex.regions.summary_kv``

@@ -74,3 +74,11 @@ def autocast_function(cls: type[torch.autograd.Function]) -> type[torch.autograd
     cls.backward = staticmethod(plain_backward)
     cls.autocast_safe = True  # tests check that every Function in the attention package carries this
     return cls
+
+
+def dtype_preserving(cls: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
+    """Class decorator for an autograd Function that only moves elements (a gather, a permutation): it runs no
+    autocast-eligible op, so each output keeps its input's dtype in or out of an autocast region, and casting its
+    inputs (as ``autocast_function`` does) would only lose precision (a float32 log-sum-exp put in order)."""
+    cls.autocast_safe = True
+    return cls

@@ -18,7 +18,7 @@ attend the kept keys at full resolution; never an ``L x L`` tensor.
   CPU, fp32/fp64, no dropout, eager, key padding, heads in groups under glibc's fresh-mmap size) the
   products run as fused CPU flash calls on q, k, v padded once per forward (``FlashInputs``; the blocks are views,
   the tiles gathers), whose log-sum-exp stays differentiable, so the parts still merge exactly; elsewhere the
-  explicit masked softmax. Speed: README, "The 2025 successors" (``make bench``).
+  explicit masked softmax. Speed: docs/performance.md, "The 2025 successors on CPU" (``make bench``).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from longseq.attention.errors import AttentionConfigError
+from longseq.attention.ops.amp import dtype_preserving
 from longseq.attention.ops.cpu.kernels import flex_reference
 from longseq.attention.ops.flex.block_masks import (
     StaticLayout,
@@ -203,6 +204,7 @@ def flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
     return flex_reference(q, k, v, mask, scale)  # CPU, eager: the unfused reference, forward only (``ops.cpu.kernels``)
 
 
+@dtype_preserving
 class _Reorder(torch.autograd.Function):
     """Rows ``(..., L, .)`` put in another order by a permutation, whose backward is the inverse permutation: a
     gather that inductor fuses into its neighbours, where ``index_select``'s backward is a zero fill and an

@@ -112,11 +112,18 @@ class FusedKV:
             keys = [torch.arange(L, device=device) if call.order is None else call.order.long()]
         source = torch.cat([*keys, summaries])
         source = torch.cat([source, source.new_full((kv_len - source.numel(),), L + R)])
-        slot = torch.arange(kv_len, device=device)
-        holds = source.unsqueeze(0) == (L + torch.arange(R, device=device)).unsqueeze(1)  # (R, KV)
-        copies = max(int(holds.sum(1).max()) if R else 0, 1)
-        dst = torch.where(holds, slot, kv_len).sort(1).values[:, :copies]
-        dst = torch.where(dst < kv_len, dst, -1)
+        # the slots of each summary, in slot order: sorted (region, slot) pairs, not an (R, KV) table (at 16,384
+        # combiner_mixture's took 20 GB to build)
+        region = source - L
+        held = (region >= 0) & (region < R)
+        region, slot = region[held], torch.arange(kv_len, device=device)[held]
+        order = torch.argsort(region * kv_len + slot)
+        region, slot = region[order], slot[order]
+        per_region = torch.bincount(region, minlength=R)
+        copies = max(int(per_region.max()) if R else 0, 1)
+        rank = torch.arange(region.numel(), device=device) - (per_region.cumsum(0) - per_region)[region]
+        dst = torch.full((R, copies), -1, dtype=torch.long, device=device)
+        dst[region, rank] = slot
         if call.direct is None:
             key_slot = torch.full((L,), -1, device=device)
         else:
