@@ -18,6 +18,7 @@ import pytest
 from conftest import CONF, ROOT
 from devices import without_gpu
 from omegaconf import OmegaConf
+from test_messages import refusal
 
 from longseq.preflight.command import check_composition, preflight_train
 from longseq.preflight.evaluate import check_eval_config
@@ -57,17 +58,6 @@ def user_environment(monkeypatch, tmp_path):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc, no W&B settings
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / "wandb"))
-
-
-def refusal(check, capsys) -> str:
-    """The console of a pre-flight that must refuse: exit 1, one ``error:`` line (returned), no traceback."""
-    with pytest.raises(SystemExit) as stop:
-        check()
-    assert stop.value.code == 1
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    (line,) = [text for text in err.splitlines() if text.startswith("error: ")]
-    return line
 
 
 # (overrides, the start of the error line); {d} is the empty data folder, {f} the folder of the test's files.

@@ -42,6 +42,28 @@ def apply_preset(cfg: DictConfig, overrides: list[str]) -> None:
             OmegaConf.update(cfg, key, value, merge=False)
 
 
+def prepare_check(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """A device check's config (``make gpu-check``, ``make xla-check``): ``dry=true`` selects ``presets.dry``, then the
+    preset applies (keys set on the command line win)."""
+    if cfg.dry and cfg.preset is None:
+        cfg.preset = "dry"
+    apply_preset(cfg, overrides)
+    return cfg
+
+
+def run_check(config_name: str, run) -> None:
+    """The entry point of a device check: ``conf/<config_name>.yaml`` through Hydra, prepared (``prepare_check``), then
+    ``run(cfg) -> (out_dir, ok)``; exit status 1 when a check failed."""
+
+    @hydra.main(config_path=CONFIG_DIR, config_name=config_name, version_base="1.3")
+    def _main(cfg: DictConfig) -> None:
+        _, ok = run(prepare_check(cfg, list(HydraConfig.get().overrides.task)))
+        if not ok:
+            raise SystemExit(1)
+
+    _main()
+
+
 @hydra.main(config_path=CONFIG_DIR, config_name="bench", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from longseq.bench.run import run_benchmark

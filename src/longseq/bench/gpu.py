@@ -1351,28 +1351,16 @@ def units_cut(calibration: list, correctness: list, fig3: list, profile: list, t
 
 
 def prepare(cfg: DictConfig, overrides: list[str]) -> DictConfig:
-    """``dry=true`` selects ``presets.dry`` (keys set on the command line win), as ``make bench``'s presets."""
-    from longseq.bench.__main__ import apply_preset
+    """``dry=true`` selects ``presets.dry`` (keys set on the command line win): ``bench.__main__.prepare_check``."""
+    from longseq.bench.__main__ import prepare_check
 
-    if cfg.dry and cfg.preset is None:
-        cfg.preset = "dry"
-    apply_preset(cfg, overrides)
-    return cfg
+    return prepare_check(cfg, overrides)
 
 
 def main() -> None:
-    import hydra
-    from hydra.core.hydra_config import HydraConfig
+    from longseq.bench.__main__ import run_check
 
-    from longseq.bench.__main__ import CONFIG_DIR
-
-    @hydra.main(config_path=CONFIG_DIR, config_name="gpu_check", version_base="1.3")
-    def _main(cfg: DictConfig) -> None:
-        _, ok = run_gpu_check(prepare(cfg, list(HydraConfig.get().overrides.task)))
-        if not ok:
-            raise SystemExit(1)
-
-    _main()
+    run_check("gpu_check", run_gpu_check)
 
 
 if __name__ == "__main__":

@@ -131,15 +131,21 @@ def check_attention(cfg: DictConfig, name: str, xla: XlaDevice) -> dict[str, Any
     return {**row, "status": "pass" if ok else "FAIL"}
 
 
-def check_correctness(cfg: DictConfig, xla: XlaDevice) -> list[dict[str, Any]]:
+def each_attention(names: list[str], check, describe) -> list[dict[str, Any]]:
+    """``check(name)`` for each attention, a console line per row (``describe(row)``, the seconds, its note)."""
     rows = []
-    for name in _names(cfg.correctness.attentions):
+    for name in names:
         start = time.perf_counter()
-        rows.append(check_attention(cfg, name, xla))
+        rows.append(check(name))
         r = rows[-1]
-        print(f"  {name}: {r['status']} [{r['backend']}] out {_fmt(r['output_err'], '.1e')} grad "
-              f"{_fmt(r['grad_err'], '.1e')} ({time.perf_counter() - start:.1f} s) {r['note'][:120]}", flush=True)
+        print(f"  {name}: {describe(r)} ({time.perf_counter() - start:.1f} s) {r['note'][:120]}", flush=True)
     return rows
+
+
+def check_correctness(cfg: DictConfig, xla: XlaDevice) -> list[dict[str, Any]]:
+    return each_attention(_names(cfg.correctness.attentions), lambda name: check_attention(cfg, name, xla),
+                          lambda r: f"{r['status']} [{r['backend']}] out {_fmt(r['output_err'], '.1e')} grad "
+                                    f"{_fmt(r['grad_err'], '.1e')}")
 
 
 # -- 2. compilations per training step -----------------------------------------------------------------------------
@@ -200,14 +206,8 @@ def count_compiles(cfg: DictConfig, name: str, xla: XlaDevice) -> dict[str, Any]
 
 
 def check_compiles(cfg: DictConfig, xla: XlaDevice) -> list[dict[str, Any]]:
-    rows = []
-    for name in _names(cfg.compiles.attentions):
-        start = time.perf_counter()
-        rows.append(count_compiles(cfg, name, xla))
-        r = rows[-1]
-        print(f"  {name}: {r['status']} compiles per step {r['per_step']} (state {r['state_compiles']}) "
-              f"({time.perf_counter() - start:.1f} s) {r['note'][:120]}", flush=True)
-    return rows
+    return each_attention(_names(cfg.compiles.attentions), lambda name: count_compiles(cfg, name, xla),
+                          lambda r: f"{r['status']} compiles per step {r['per_step']} (state {r['state_compiles']})")
 
 
 # -- 3. python train.py trainer=tpu --------------------------------------------------------------------------------
@@ -344,28 +344,16 @@ def run_xla_check(cfg: DictConfig) -> tuple[Path, bool]:
 
 
 def prepare(cfg: DictConfig, overrides: list[str]) -> DictConfig:
-    """``dry=true`` selects ``presets.dry`` (keys set on the command line win), as ``make gpu-check``'s."""
-    from longseq.bench.__main__ import apply_preset
+    """``dry=true`` selects ``presets.dry`` (keys set on the command line win): ``bench.__main__.prepare_check``."""
+    from longseq.bench.__main__ import prepare_check
 
-    if cfg.dry and cfg.preset is None:
-        cfg.preset = "dry"
-    apply_preset(cfg, overrides)
-    return cfg
+    return prepare_check(cfg, overrides)
 
 
 def main() -> None:
-    import hydra
-    from hydra.core.hydra_config import HydraConfig
+    from longseq.bench.__main__ import run_check
 
-    from longseq.bench.__main__ import CONFIG_DIR
-
-    @hydra.main(config_path=CONFIG_DIR, config_name="xla_check", version_base="1.3")
-    def _main(cfg: DictConfig) -> None:
-        _, ok = run_xla_check(prepare(cfg, list(HydraConfig.get().overrides.task)))
-        if not ok:
-            raise SystemExit(1)
-
-    _main()
+    run_check("xla_check", run_xla_check)
 
 
 if __name__ == "__main__":
