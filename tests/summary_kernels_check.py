@@ -5,7 +5,9 @@ it prints one JSON line per case with the largest differences of the KV and of t
     TRITON_INTERPRET=1 python tests/summary_kernels_check.py combiner_fixed:causal:max:copies ...
 
 A case is ``name:causal|bidirectional:pool[:copies][:knob=value]``; ``copies`` lays the summaries out twice (the
-copies' slots, as a long sequence has them)."""
+copies' slots, as a long sequence has them). The case ``key_map`` checks ``combiner_axial``'s learned summary keys
+(``combiner.key_map``) the same way: the mapped keys and the six gradients (``values``: with their own gradient
+added), at a width of two chunks that is not a power of two, over rows that do not fill the last program."""
 
 from __future__ import annotations
 
@@ -60,6 +62,33 @@ def check(case: str) -> dict:
     return {"case": case, **worst}
 
 
+def check_key_map() -> dict:
+    from longseq.attention.combiner import key_map
+
+    B, H, KV, D = 2, 3, 45, 24  # W 72: two chunks of 64 features; 90 rows: the last program's rows part empty
+    generator = torch.Generator().manual_seed(0)
+
+    def heads_last(shape, scale=1.0):
+        return (scale * torch.randn(shape, generator=generator, dtype=torch.float64)).transpose(1, 2)
+
+    keys, values = heads_last((B, KV, H, D)), heads_last((B, KV, H, D))
+    W = H * D
+    w_in, w_out = (torch.randn(W, W, generator=generator, dtype=torch.float64) / W ** 0.5 for _ in range(2))
+    gamma = 1 + 0.1 * torch.randn(W, generator=generator, dtype=torch.float64)
+    beta = 0.1 * torch.randn(W, generator=generator, dtype=torch.float64)
+    eps = 1e-6
+    mapped, copied = key_map.launch_forward(keys, values, w_in, gamma, beta, w_out, eps)
+    inputs = [x.clone().requires_grad_() for x in (keys, values, w_in, gamma, beta, w_out)]
+    want = key_map._reference_op(*inputs, eps)
+    d_keys, d_values = heads_last((B, KV, H, D)), heads_last((B, KV, H, D))
+    want_grads = list(torch.autograd.grad(want, inputs, d_keys))
+    want_grads[1] = want_grads[1] + d_values
+    got_grads = key_map.launch_backward(keys, copied, w_in, gamma, beta, w_out, d_keys, d_values, eps)
+    return {"case": "key_map", "kv": max((mapped - want).abs().max().item(), (copied - values).abs().max().item()),
+            "grads": max((a - b).abs().max().item() for a, b in zip(got_grads, want_grads, strict=True)),
+            "calls": 1}
+
+
 if __name__ == "__main__":
     for case in sys.argv[1:]:
-        print(json.dumps(check(case)), flush=True)
+        print(json.dumps(check_key_map() if case == "key_map" else check(case)), flush=True)

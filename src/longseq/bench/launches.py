@@ -43,11 +43,7 @@ BUDGETS = {label: Budget(*spec) for label, spec in {
     "combiner_axial_vertical": ("combiner_axial_vertical", 20),
     "combiner_axial_horizontal": ("combiner_axial_horizontal", 20),
     "combiner_mixture": ("combiner_mixture", 24),
-    # the issue's 14 holds for the parameter-free row summary keys; the default learned map (proj: two Linear layers
-    # and a LayerNorm over the heads) adds 13 launches of its own, 2 + 1 forward and 10 backward (its GEMMs'
-    # gradients, the LayerNorm's backward, the recomputation that halves what the layer keeps): a budget of its own
-    "combiner_axial[row_summary=none]": ("combiner_axial", 14, (("row_summary", "none"),)),
-    "combiner_axial": ("combiner_axial", 24),
+    "combiner_axial": ("combiner_axial", 14),  # its learned summary keys one launch forward, two backward
 }.items()}
 _LAUNCH = re.compile(r"^\s+(\w+)\.run\(", re.M)
 _EXTERN = re.compile(r"(extern_kernels\.\w+|torch\.ops\.\w+\.\w+(?:\.\w+)?)\(")

@@ -44,6 +44,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from longseq.attention.base import Attention, AttentionConfigError
+from longseq.attention.combiner import key_map
+from longseq.attention.combiner.key_map import reference_key_map
 from longseq.attention.ops.cpu.grid_flash import causal_row_column_flash
 from longseq.attention.ops.decoding import PartitionDecoder
 from longseq.attention.ops.dispatch import CpuFlash
@@ -128,17 +130,12 @@ class CombinerAxialRowMajor(BlockGrid, PartitionDecoder, Attention):
                 f"attention '{self.name}' was built for n_heads*head_dim={self.summary_in.in_features}, "
                 f"got H={H}, D={vbar.shape[-1]}"
             )
-        # The learned maps run in the inputs' dtype (parameters cast, as in linformer / synthesizer), so bf16
-        # q, k, v work with fp32 parameters outside autocast too (e.g. attention_matrix on captured tensors).
-        x = merge_heads(vbar)
-        hidden = F.linear(x, self.summary_in.weight.to(x.dtype))
-        hidden = F.dropout(hidden, self.dropout, self.training)
-        # Official residual is the layer input x(r', c); only q, k, v reach us, so k(r', c) stands in.
-        hidden = hidden + merge_heads(k_mate)
         norm = self.summary_norm
-        hidden = F.layer_norm(hidden, norm.normalized_shape, norm.weight.to(hidden.dtype), norm.bias.to(hidden.dtype),
-                              norm.eps)
-        return split_heads(F.linear(hidden, self.summary_out.weight.to(hidden.dtype)), H)
+        dropout = self.dropout if self.training else 0.0
+        # Official residual is the layer input x(r', c); only q, k, v reach us, so k(r', c) stands in.
+        keys = reference_key_map(merge_heads(vbar), merge_heads(k_mate), self.summary_in.weight, norm.weight,
+                                 norm.bias, self.summary_out.weight, norm.eps, dropout)
+        return split_heads(keys, H)
 
     def summary_keys_recomputed(self, vbar: torch.Tensor, k_mate: torch.Tensor,
                                 k_wsum: torch.Tensor | None) -> torch.Tensor:
@@ -255,16 +252,23 @@ class CombinerAxialRowMajor(BlockGrid, PartitionDecoder, Attention):
             m = grid.n_cols
             regions = RegionTable.of(order // m * m, 1, m, anchor=order, reduce="anchor",
                                      heads_last=self.row_summary == "proj", device=device)
+            if self.row_summary == "proj":
+                key_map.register()  # with the layout, outside any traced step
         return [FlexCall(same_block(grid.n_cols, self.causal)),
                 FlexCall(None, order, length, own_column(grid.n_rows, self.causal), members, lambda: order,
                          regions=regions)]
 
     def flex_fused_kv(self, index: int, keys: torch.Tensor, values: torch.Tensor):
         """The fused column call's KV: the anchored row summaries with the row-mates' keys, then (``proj``) the learned
-        key map over them (heads-last layouts: the map reads and writes them without a copy)."""
-        if self.row_summary == "proj":
-            keys = self.summary_keys_recomputed(values, keys, None)
-        return keys, values
+        key map over them (heads-last layouts: the map reads and writes them without a copy), as one operation
+        (``combiner.key_map``: one launch forward, two backward) unless its dropout is active."""
+        if self.row_summary != "proj":
+            return keys, values
+        if key_map.registered() and not (self.training and self.dropout > 0):
+            norm = self.summary_norm
+            return key_map.summary_key_map(keys, values, self.summary_in.weight, norm.weight, norm.bias,
+                                           self.summary_out.weight, norm.eps)
+        return self.summary_keys_recomputed(values, keys, None), values
 
     def flex_summaries(self, index: int, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        real: torch.Tensor | None, state=None):
