@@ -36,6 +36,16 @@ NEG_BIG = tl.constexpr(-1.0e30)  # a finite "minus infinity": an empty chunk's m
 
 
 @triton.jit
+def _batch_head(H, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """The program's (batch, head) from its second grid axis and its feature ranges: ``(bh, b, h, d, dv, d_ok,
+    dv_ok)``."""
+    bh = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    return bh, bh // H, bh % H, d, dv, d < D, dv < DV
+
+
+@triton.jit
 def _pools(qb, kb, sql, sqd, skl, skd, first, step, n, left_out, at, d, d_ok,
            BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, POOL: tl.constexpr, ACC: tl.constexpr):
     """A region's pooled query and key ``(BLOCK_D,)``, the positions holding them (max: the first member with the
@@ -121,13 +131,7 @@ def summary_kv_forward(
     BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, POOL: tl.constexpr, ACC: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    d = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_DV)
-    d_ok = d < D
-    dv_ok = dv < DV
+    bh, b, h, d, dv, d_ok, dv_ok = _batch_head(H, D, DV, BLOCK_D, BLOCK_DV)
     qb = q + b * sqb + h * sqh
     kb = k + b * skb + h * skh
     vb = v + b * svb + h * svh
@@ -176,13 +180,7 @@ def summary_kv_backward_regions(
     BLOCK_M: tl.constexpr, POOL: tl.constexpr, ACC: tl.constexpr,
 ):
     r = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    d = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_DV)
-    d_ok = d < D
-    dv_ok = dv < DV
+    bh, b, h, d, dv, d_ok, dv_ok = _batch_head(H, D, DV, BLOCK_D, BLOCK_DV)
     qb = q + b * sqb + h * sqh
     kb = k + b * skb + h * skh
     vb = v + b * svb + h * svh
@@ -246,13 +244,7 @@ def summary_kv_backward_positions(
     BLOCK_T: tl.constexpr, POOL: tl.constexpr, ACC: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    d = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_DV)
-    d_ok = d < D
-    dv_ok = dv < DV
+    bh, b, h, d, dv, d_ok, dv_ok = _batch_head(H, D, DV, BLOCK_D, BLOCK_DV)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < L
     mask_d = t_ok[:, None] & d_ok[None, :]
