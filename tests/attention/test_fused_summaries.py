@@ -143,14 +143,30 @@ def sm90_signature(kernel, pointer: str, consts: dict) -> dict[str, str]:
     return {arg: "constexpr" if arg in consts else kinds.get(arg, "i32") for arg in inspect.signature(kernel.fn).parameters}
 
 
+SM90_SHARED = 232448  # bytes of shared memory a block may take on an H100 / H200 (227 KB, opted in)
+
+
+def compile_for_sm90(kernel, signature: dict, consts: dict, num_warps: int = 4, num_stages: int = 3):
+    """``kernel`` compiled to an sm90 cubin on this CPU; its shared memory checked against what a block may take (a
+    kernel over it compiles, then fails at its launch on the GPU: "out of resources")."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = ASTSource(fn=kernel, signature=signature, constexprs=consts)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    assert compiled.asm["cubin"]
+    assert compiled.metadata.shared <= SM90_SHARED, (kernel.fn.__name__, compiled.metadata.shared)
+    return compiled
+
+
 @pytest.mark.parametrize("pool", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
 def test_the_kernels_compile_for_sm90(pool):
     """The interpreter does not type-check what the compiler does (a loop-carried value changing dtype compiles
-    nowhere): each kernel compiles to an sm90 cubin on this CPU (bf16, D 64; max pools in the fast suite)."""
-    import triton
+    nowhere): each kernel compiles to an sm90 cubin on this CPU within a block's shared memory (bf16, D 64; max pools
+    in the fast suite)."""
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from longseq.attention.ops.flex import summary_kernels
 
@@ -159,19 +175,18 @@ def test_the_kernels_compile_for_sm90(pool):
                           (summary_kernels.summary_kv_backward_regions, {"BLOCK_M": 64}),
                           (summary_kernels.summary_kv_backward_positions, {"BLOCK_T": 32})):
         consts = {**common, **extra}
-        source = ASTSource(fn=kernel, signature=sm90_signature(kernel, "*bf16", consts), constexprs=consts)
-        assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+        compile_for_sm90(kernel, sm90_signature(kernel, "*bf16", consts), consts)
 
 
-# W 512 (H 8, D 64) takes ptxas about 20 s here: the fast suite compiles a narrower row (the same code, typed the same)
-@pytest.mark.parametrize("width", [128, pytest.param(512, marks=pytest.mark.slow)])
+# W 512 (H 8, D 64) and the widest the kernels take: about 20 s of ptxas each here; the fast suite compiles a narrower
+# row (the same code, typed the same)
+@pytest.mark.parametrize("width", [128, pytest.param(512, marks=pytest.mark.slow),
+                                   pytest.param(1024, marks=pytest.mark.slow)])
 def test_the_key_map_kernels_compile_for_sm90(width):
     """``combiner_axial``'s learned summary keys (``combiner.key_map_kernels``) compile to sm90 cubins on this CPU as
-    a bf16 layer runs them: bf16 rows, fp32 parameters, partial sums and epsilon, the launchers' tile and warps."""
-    import triton
+    a bf16 layer runs them (bf16 rows; fp32 parameters, partial sums and epsilon; the launchers' tile, warps and
+    stages), within a block's shared memory."""
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from longseq.attention.combiner import key_map, key_map_kernels
 
@@ -180,12 +195,12 @@ def test_the_key_map_kernels_compile_for_sm90(width):
     kinds = {**dict.fromkeys(fp32, "*fp32"), **dict.fromkeys(rows, "*bf16"), "eps": "fp32"}
     common = dict(BLOCK_T=key_map.BLOCK_T, BLOCK_K=key_map.BLOCK_K, ACC=tl.float32)
     row_tile = key_map._row_tile(width)
-    warps = row_tile.pop("num_warps")
-    for kernel, extra, num_warps in ((key_map_kernels.key_map_forward, row_tile, warps),
-                                     (key_map_kernels.key_map_backward_rows, row_tile, warps),
-                                     (key_map_kernels.key_map_backward_weights, {}, 4)):
+    launch = dict(num_warps=row_tile.pop("num_warps"), num_stages=row_tile.pop("num_stages"))
+    assert key_map.supports(width)
+    for kernel, extra, options in ((key_map_kernels.key_map_forward, row_tile, launch),
+                                   (key_map_kernels.key_map_backward_rows, row_tile, launch),
+                                   (key_map_kernels.key_map_backward_weights, {}, {})):
         consts = {**common, **extra}
         signature = {arg: "constexpr" if arg in consts else kinds.get(arg, "i32")
                      for arg in inspect.signature(kernel.fn).parameters}
-        source = ASTSource(fn=kernel, signature=signature, constexprs=consts)
-        assert triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["cubin"]
+        compile_for_sm90(kernel, signature, consts, **options)

@@ -261,10 +261,12 @@ class CombinerAxialRowMajor(BlockGrid, PartitionDecoder, Attention):
     def flex_fused_kv(self, index: int, keys: torch.Tensor, values: torch.Tensor):
         """The fused column call's KV: the anchored row summaries with the row-mates' keys, then (``proj``) the learned
         key map over them (heads-last layouts: the map reads and writes them without a copy), as one operation
-        (``combiner.key_map``: one launch forward, two backward) unless its dropout is active."""
+        (``combiner.key_map``: one launch forward, two backward) unless its dropout is active or its width is over the
+        kernels' (``key_map.MAX_WIDTH``)."""
         if self.row_summary != "proj":
             return keys, values
-        if key_map.registered() and not (self.training and self.dropout > 0):
+        dropout_active = self.training and self.dropout > 0
+        if key_map.registered() and key_map.supports(self.summary_in.in_features) and not dropout_active:
             norm = self.summary_norm
             return key_map.summary_key_map(keys, values, self.summary_in.weight, norm.weight, norm.bias,
                                            self.summary_out.weight, norm.eps)

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 BLOCK_T = 32  # rows (KV slots) a program maps
-BLOCK_K = 64  # features a product's chunk covers (a tile of the weight gradients is BLOCK_K x BLOCK_K)
+BLOCK_K = 32  # features a product's chunk covers (a tile of the weight gradients is BLOCK_K x BLOCK_K)
+MAX_WIDTH = 1024  # H * D the row programs hold in registers and shared memory (wider: the map stays plain torch)
 _REGISTERED: dict[str, bool | None] = {"ok": None}
 
 
@@ -53,13 +54,20 @@ def _acc(x: torch.Tensor):
 
 
 def _row_tile(width: int) -> dict:
-    """The row programs' tile: the whole width (a power of two, at least 16: ``tl.dot``'s least) and their warps. The
-    ``(BLOCK_T, BLOCK_W)`` fp32 rows stay in registers: at W 512 that is 16 K values, which 4 warps spill (the sm90
-    cubin is twice the size of 8 warps')."""
+    """The row programs' tile: the whole width (a power of two, at least 16: ``tl.dot``'s least), their warps and
+    pipeline stages. The ``(BLOCK_T, BLOCK_W)`` fp32 rows stay in registers: at W 512 that is 16 K values, which 4
+    warps spill (the sm90 cubin is twice the size of 8 warps'). Triton's default 3 stages with 64-feature chunks asked
+    292 KB of shared memory at W 512, more than an H100 gives a block (227 KB): 2 stages of 32 take 98 KB there and
+    196 KB at ``MAX_WIDTH`` (tests/attention/test_fused_summaries.py compiles both for sm90 and checks)."""
     import triton
 
     block_w = max(16, triton.next_power_of_2(width))
-    return dict(BLOCK_W=block_w, num_warps=8 if block_w >= 256 else 4)
+    return dict(BLOCK_W=block_w, num_warps=8 if block_w >= 256 else 4, num_stages=2)
+
+
+def supports(width: int) -> bool:
+    """Whether the kernels take rows of ``width = H * D`` features (``MAX_WIDTH``)."""
+    return width <= MAX_WIDTH
 
 
 def launch_forward(keys, values, w_in, gamma, beta, w_out, eps: float):
