@@ -45,7 +45,6 @@ from torch.utils.checkpoint import checkpoint
 
 from longseq.attention.base import Attention, AttentionConfigError
 from longseq.attention.combiner import key_map
-from longseq.attention.combiner.key_map import reference_key_map
 from longseq.attention.ops.cpu.grid_flash import causal_row_column_flash
 from longseq.attention.ops.decoding import PartitionDecoder
 from longseq.attention.ops.dispatch import CpuFlash
@@ -133,8 +132,8 @@ class CombinerAxialRowMajor(BlockGrid, PartitionDecoder, Attention):
         norm = self.summary_norm
         dropout = self.dropout if self.training else 0.0
         # Official residual is the layer input x(r', c); only q, k, v reach us, so k(r', c) stands in.
-        keys = reference_key_map(merge_heads(vbar), merge_heads(k_mate), self.summary_in.weight, norm.weight,
-                                 norm.bias, self.summary_out.weight, norm.eps, dropout)
+        keys = key_map.reference_key_map(merge_heads(vbar), merge_heads(k_mate), self.summary_in.weight,
+                                         norm.weight, norm.bias, self.summary_out.weight, norm.eps, dropout)
         return split_heads(keys, H)
 
     def summary_keys_recomputed(self, vbar: torch.Tensor, k_mate: torch.Tensor,
