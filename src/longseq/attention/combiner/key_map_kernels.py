@@ -13,7 +13,8 @@ the partial sums of the norm's parameter gradients; the weight pass computes ``d
 (one program per ``BLOCK_K x BLOCK_K`` tile, a loop over the rows) and sums the partials. No atomics: deterministic.
 
 Products take operands in the input dtype (the weights cast as ``F.linear`` under autocast does) and accumulate in
-``ACC`` (fp32, or fp64 for fp64 inputs); the norm runs in ``ACC``. Tested under ``TRITON_INTERPRET=1`` against
+``ACC`` (fp32, or fp64 for fp64 inputs); the norm runs in ``ACC``. fp32 operands multiply in full precision
+(``input_precision="ieee"``), as torch's matrix products do by default, not in Triton's default TF32. Tested under ``TRITON_INTERPRET=1`` against
 ``combiner.key_map.reference_key_map`` and compiled for sm90 on the CPU (tests/attention/test_fused_summaries.py).
 """
 
@@ -37,7 +38,7 @@ def _hidden(x, r, w_in, rows, r_ok, cols, c_ok, W, sxt, srt, swo, swi, values_ou
         if COPY:
             tl.store(values_out + rows[:, None] * svt + kk[None, :], xa, mask=r_ok[:, None] & k_ok[None, :])
         wt = tl.load(w_in + cols[None, :] * swo + kk[:, None] * swi, mask=c_ok[None, :] & k_ok[:, None], other=0.0)
-        h = tl.dot(xa, wt.to(xa.dtype), h, out_dtype=ACC)
+        h = tl.dot(xa, wt.to(xa.dtype), h, out_dtype=ACC, input_precision="ieee")
     res = tl.load(r + rows[:, None] * srt + cols[None, :], mask=r_ok[:, None] & c_ok[None, :], other=0.0)
     return h + res.to(ACC)
 
@@ -73,7 +74,7 @@ def key_map_forward(
         jj = j0 + tl.arange(0, BLOCK_K)
         j_ok = jj < W
         wt = tl.load(w_out + jj[None, :] * swo + cols[:, None] * swi, mask=j_ok[None, :] & c_ok[:, None], other=0.0)
-        k = tl.dot(n, wt.to(n.dtype), out_dtype=ACC)
+        k = tl.dot(n, wt.to(n.dtype), out_dtype=ACC, input_precision="ieee")
         tl.store(keys_out + rows[:, None] * skt + jj[None, :], k, mask=r_ok[:, None] & j_ok[None, :])
 
 
@@ -101,7 +102,7 @@ def key_map_backward_rows(
         j_ok = jj < W
         dka = tl.load(dk + rows[:, None] * sdkt + jj[None, :], mask=r_ok[:, None] & j_ok[None, :], other=0.0)
         wt = tl.load(w_out + jj[:, None] * swo + cols[None, :] * swi, mask=j_ok[:, None] & c_ok[None, :], other=0.0)
-        dn = tl.dot(dka, wt.to(dka.dtype), dn, out_dtype=ACC)
+        dn = tl.dot(dka, wt.to(dka.dtype), dn, out_dtype=ACC, input_precision="ieee")
     tl.store(dgamma_part + pid * W + cols, tl.sum(dn * x_hat, axis=0), mask=c_ok)
     tl.store(dbeta_part + pid * W + cols, tl.sum(dn, axis=0), mask=c_ok)
     keep = r_ok[:, None] & c_ok[None, :]
@@ -117,7 +118,7 @@ def key_map_backward_rows(
         ii = i0 + tl.arange(0, BLOCK_K)
         i_ok = ii < W
         wt = tl.load(w_in + cols[:, None] * swo + ii[None, :] * swi, mask=c_ok[:, None] & i_ok[None, :], other=0.0)
-        dx = tl.dot(dh_in, wt.to(dh_in.dtype), out_dtype=ACC)
+        dx = tl.dot(dh_in, wt.to(dh_in.dtype), out_dtype=ACC, input_precision="ieee")
         dx += tl.load(dv + rows[:, None] * sdvt + ii[None, :], mask=r_ok[:, None] & i_ok[None, :], other=0.0).to(ACC)
         tl.store(dx_out + rows[:, None] * sdxt + ii[None, :], dx, mask=r_ok[:, None] & i_ok[None, :])
 
@@ -160,7 +161,7 @@ def key_map_backward_weights(
             else:
                 left = tl.load(dh + t[:, None] * W + jj[None, :], mask=t_ok[:, None] & j_ok[None, :], other=0.0)
                 right = tl.load(x + t[:, None] * sxt + ii[None, :], mask=t_ok[:, None] & i_ok[None, :], other=0.0)
-            acc = tl.dot(tl.trans(left), right.to(left.dtype), acc, out_dtype=ACC)
+            acc = tl.dot(tl.trans(left), right.to(left.dtype), acc, out_dtype=ACC, input_precision="ieee")
         where = jj[:, None] * swo + ii[None, :] * swi
         if which == 0:
             tl.store(dw_out + where, acc, mask=j_ok[:, None] & i_ok[None, :])
