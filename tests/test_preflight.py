@@ -133,6 +133,20 @@ def test_online_wandb_with_credentials_and_offline_wandb_pass(files, capsys, mon
         assert checked and not logs.exists()
 
 
+def test_the_wandb_check_leaves_no_wandb_state_behind(files, capsys, monkeypatch):
+    """The check's ``wandb.login`` set W&B up for the whole process with the settings it saw (online, no key): an
+    offline run started later in that process (a multirun's next job; the next test on a pytest worker) tried to log
+    in and failed. After a refusal, an offline run of Lightning's W&B logger starts."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    refusal(lambda: preflight_train(["train.py", f"paths.log_dir={files / 'logs'}", *TINY, "logger=wandb"], CONF,
+                                    "train"), capsys)
+    monkeypatch.undo()  # the environment as the next job or test has it (WANDB_MODE=offline under pytest)
+    logger = WandbLogger(offline=True, save_dir=str(files), project="preflight")
+    logger.experiment.finish()
+    assert list((files / "wandb").glob("offline-run-*"))
+
+
 @pytest.fixture
 def checkpoints(tmp_path: Path) -> dict[str, Path]:
     """Checkpoints as eval.py finds them: of an image run and of an LM run (``<run>/checkpoints/last.ckpt`` beside

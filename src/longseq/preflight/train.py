@@ -138,7 +138,13 @@ def check_loggers(cfg: DictConfig) -> None:
             continue
         import wandb
 
-        if not wandb.login(prompt=False, verify=False):
+        try:
+            logged_in = wandb.login(prompt=False, verify=False)
+        finally:
+            # login's setup caches the settings it saw (mode, home) for the whole process: an offline run started
+            # later in it (a test, a multirun job) tried to log in and failed. The check leaves no W&B state behind.
+            wandb.teardown()
+        if not logged_in:
             raise ConfigError(f"logger.{name}", "W&B has no API key on this machine: run `wandb login` (or set "
                                                 f"WANDB_API_KEY), or log offline with logger.{name}.offline=true "
                                                 "(sync later with `wandb sync <run>/wandb/offline-run-*`)")
