@@ -134,8 +134,6 @@ def check_loggers(cfg: DictConfig) -> None:
             continue
         if node.get("offline") or os.environ.get("WANDB_MODE", "").lower() in WANDB_OFFLINE_MODES:
             continue
-        if os.environ.get("WANDB_API_KEY"):  # read first: wandb.login answers from settings cached at its first setup
-            continue
         import wandb
 
         try:
