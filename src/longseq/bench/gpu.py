@@ -68,7 +68,7 @@ from omegaconf import DictConfig, OmegaConf
 from longseq.bench import cell as cells
 from longseq.bench import report
 from longseq.bench.specs import build_spec, select_attentions
-from longseq.utils.compiling import COMPILE_MODES, compile_module, compile_options, compiled_graphs, new_step
+from longseq.utils.compiling import COMPILE_MODES, compile_module, compile_options, new_step
 
 # Peak dense bf16 tensor FLOP/s of known devices (vendor data sheets, no sparsity), matched against
 # ``torch.cuda.get_device_name`` in order (the first substring found wins); an unknown device gets no MFU.
@@ -174,6 +174,15 @@ def _build(registry_name: str, kwargs: dict[str, Any], backend: str, device: str
         raise AttentionConfigError(f"attention '{registry_name}' has no attention.backend knob")
     torch.manual_seed(seed)
     return build_attention(registry_name, **kwargs).to(device=device, dtype=dtype).eval()
+
+
+def compiled_graphs() -> int:
+    """How many graphs dynamo has compiled in this process (its private ``unique_graphs`` counter, kept here with the
+    bench's other uses of private APIs: a graph break or a recompile adds one), so a training row can count the graphs
+    its steps made and see whether a timed step compiled again."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 # -- timing helpers shared by the stages ------------------------------------------------------------------------

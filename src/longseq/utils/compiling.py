@@ -29,11 +29,3 @@ def new_step(mode: str | None) -> None:
     the previous iteration's outputs are no longer used, so replays may overwrite them."""
     if mode == "reduce-overhead":
         torch.compiler.cudagraph_mark_step_begin()
-
-
-def compiled_graphs() -> int:
-    """How many graphs dynamo has compiled in this process (its ``unique_graphs`` counter: a graph break or a
-    recompile adds one), so a caller can count the graphs a run made and see whether a later step compiled again."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
