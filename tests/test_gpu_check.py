@@ -16,6 +16,7 @@ from devices import requires_cuda, requires_multi_gpu
 from hydra.core.global_hydra import GlobalHydra
 
 from longseq.bench import gpu
+from longseq.bench.__main__ import prepare_check
 
 
 def gpu_check_config(tmp_path, overrides: list[str]):
@@ -24,7 +25,7 @@ def gpu_check_config(tmp_path, overrides: list[str]):
         cfg = compose_config(overrides, config_name="gpu_check", fast=False)
     finally:
         GlobalHydra.instance().clear()
-    return gpu.prepare(cfg, overrides)
+    return prepare_check(cfg, overrides)
 
 
 def read_results(out):

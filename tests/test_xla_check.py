@@ -16,13 +16,14 @@ from omegaconf import OmegaConf
 from packaging.requirements import Requirement
 
 from longseq.bench import xla
+from longseq.bench.__main__ import prepare_check
 from longseq.torch_compat import SUPPORTED_TORCH, remember, supported, torch_release, traced_with_object
 
 
 def dry_config(tmp_path, *overrides: str):
     cfg = compose_config(["dry=true", f"out_dir={tmp_path / 'xla_check'}", *overrides], config_name="xla_check",
                          fast=False)
-    return xla.prepare(cfg, ["dry=true", *overrides])
+    return prepare_check(cfg, ["dry=true", *overrides])
 
 
 def test_the_dry_check_runs_every_stage_and_writes_its_report(tmp_path):

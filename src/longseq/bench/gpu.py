@@ -1359,13 +1359,6 @@ def units_cut(calibration: list, correctness: list, fig3: list, profile: list, t
     return sum(r.get("status") == TIME_LIMIT for r in rows)
 
 
-def prepare(cfg: DictConfig, overrides: list[str]) -> DictConfig:
-    """``dry=true`` selects ``presets.dry`` (keys set on the command line win): ``bench.__main__.prepare_check``."""
-    from longseq.bench.__main__ import prepare_check
-
-    return prepare_check(cfg, overrides)
-
-
 def main() -> None:
     from longseq.bench.__main__ import run_check
 

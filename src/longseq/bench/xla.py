@@ -343,13 +343,6 @@ def run_xla_check(cfg: DictConfig) -> tuple[Path, bool]:
     return out, ok
 
 
-def prepare(cfg: DictConfig, overrides: list[str]) -> DictConfig:
-    """``dry=true`` selects ``presets.dry`` (keys set on the command line win): ``bench.__main__.prepare_check``."""
-    from longseq.bench.__main__ import prepare_check
-
-    return prepare_check(cfg, overrides)
-
-
 def main() -> None:
     from longseq.bench.__main__ import run_check
 
