@@ -26,25 +26,16 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class Budget:
-    """The most launches one layer may make, forward + backward, besides the flex calls, at L 4,096, H 8, D 64, bf16
-    (issue #43's budgets), for attention ``name`` with ``knobs``."""
-
-    name: str
-    budget: int
-    knobs: tuple[tuple[str, str], ...] = ()
-
-
-BUDGETS = {label: Budget(*spec) for label, spec in {
-    "combiner_fixed": ("combiner_fixed", 6),
-    "combiner_logsparse": ("combiner_logsparse", 12),
-    "combiner_axial_vertical": ("combiner_axial_vertical", 20),
-    "combiner_axial_horizontal": ("combiner_axial_horizontal", 20),
-    "combiner_mixture": ("combiner_mixture", 24),
-    "combiner_axial": ("combiner_axial", 14),  # its learned summary keys one launch forward, two backward
-}.items()}
+# The most launches one layer may make, forward + backward, besides the flex calls, at L 4,096, H 8, D 64, bf16
+# (issue #43's budgets)
+BUDGETS = {
+    "combiner_fixed": 6,
+    "combiner_logsparse": 12,
+    "combiner_axial_vertical": 20,
+    "combiner_axial_horizontal": 20,
+    "combiner_mixture": 24,
+    "combiner_axial": 14,  # its learned summary keys one launch forward, two backward
+}
 _LAUNCH = re.compile(r"^\s+(\w+)\.run\(", re.M)
 _EXTERN = re.compile(r"(extern_kernels\.\w+|torch\.ops\.\w+\.\w+(?:\.\w+)?)\(")
 _PATCHED = {"done": False}
@@ -204,12 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     args = parser.parse_args(argv)
-    budgets = [b for b in BUDGETS.values() if not args.names or b.name in args.names]
-    budgets += [Budget(name, -1) for name in args.names if name not in {b.name for b in budgets}]
     over = 0
-    for budget in budgets:
-        found = layer_launches(budget.name, args.length, **dict(budget.knobs))
-        limit = budget.budget if budget.budget >= 0 and args.length == 4096 else None
+    for name in args.names or list(BUDGETS):
+        found = layer_launches(name, args.length)
+        limit = BUDGETS.get(name) if args.length == 4096 else None
         over += limit is not None and found.total > limit
         if args.json:
             print(json.dumps({**asdict(found), "total": found.total, "budget": limit}), flush=True)
