@@ -35,6 +35,21 @@ FAST = [
     "model.n_heads=2",
 ]
 
+# The registry-wide tests that cost a second or more a variant (tracing with dynamo, training through Lightning,
+# sampling) run these variants in the fast suite and every other one in the slow suite (``make test-slow``): one per
+# mechanism — dense; Combiner's axial (the default) and fixed partitions; a window, a fixed grid and logsparse's level
+# loops; clustering; random features, chunked linear attention, hashing, low rank and mixing. The cheap registry-wide
+# tests (the contract, ``attention_matrix``, gradients, decoding, flex equalities) keep every variant in the fast suite.
+FAST_VARIANTS = frozenset({"full", "combiner_axial", "combiner_fixed", "local", "fixed", "logsparse", "routing",
+                           "performer", "linear", "reformer", "nystrom", "fnet"})
+
+
+def fast_variants_first(params: list) -> list:
+    """``params`` (variant names, or tuples whose first item is one) as pytest parameters, those of variants outside
+    ``FAST_VARIANTS`` marked slow."""
+    params = [p if isinstance(p, tuple) else (p,) for p in params]
+    return [pytest.param(*p, marks=() if p[0] in FAST_VARIANTS else pytest.mark.slow) for p in params]
+
 
 def compose_config(overrides: list[str] | None = None, output_dir: Path | None = None, config_name: str = "train",
                    fast: bool = True) -> DictConfig:

@@ -23,6 +23,7 @@ from longseq import runner
 from longseq.preflight.command import preflight_train
 from longseq.runner import evaluate, train
 from longseq.utils.checkpoint import save_atomically
+from longseq.utils.console import error_summary
 from longseq.utils.errors import ConfigError, NonFiniteError
 
 TINY = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "trainer.limit_val_batches=1",
@@ -142,6 +143,7 @@ def test_nan_stops_and_keeps_the_last_finite_checkpoint(make_cfg, tmp_path):
     finally:
         runner.instantiate_group = original
     assert caught.value.what == "train/loss" and caught.value.step == 5
+    assert error_summary(caught.value).startswith("error: train/loss: not finite at step 5")  # train.py's line
     assert "last finite checkpoint" in caught.value.kept and "(step 4)" in caught.value.kept
     assert ckpts(tmp_path) == ["last.ckpt"]  # no interrupted.ckpt of the diverged state
     state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
@@ -149,6 +151,7 @@ def test_nan_stops_and_keeps_the_last_finite_checkpoint(make_cfg, tmp_path):
     assert all(torch.isfinite(v).all() for v in state["state_dict"].values())
 
 
+@pytest.mark.slow  # a CLI run to divergence; the fast set injects the NaN in-process and checks the same line
 def test_diverging_lr_exits_non_zero_naming_the_step(tmp_path):
     run = tmp_path / "run"
     out = cli("train.py", ["optimizer.lr=1e39", "scheduler=constant", "trainer.max_steps=50", f"hydra.run.dir={run}",

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, compose_config
+from conftest import ROOT, compose_config, fast_variants_first
 from PIL import Image
 
 from longseq.attention import ATTENTION_REGISTRY
@@ -103,7 +103,7 @@ def test_decoding_past_max_len_is_refused() -> None:
         net.new_decoding_state(1, max_len=L + 1)
 
 
-@pytest.mark.parametrize("name", DECODERS)
+@pytest.mark.parametrize("name", fast_variants_first(DECODERS))  # every decoder's logits: test_decoding.py
 def test_seeded_sampling_is_identical_with_and_without_the_cache(name: str) -> None:
     task = tiny_density_task(name)
     cached = task.sample(3, generator=torch.Generator().manual_seed(7), cache=True)

@@ -214,7 +214,7 @@ def test_causal_perturbation(name, L, m, t):
 def test_gradcheck(name, L, m, causal, summary):
     attn = build(name, causal, m, summary=summary, head_dim=4)
     q, k, v = random_qkv(B=1, H=2, L=L, D=4, seed=6, requires_grad=True)
-    assert torch.autograd.gradcheck(attn, (q, k, v), eps=1e-6, atol=1e-6)
+    assert torch.autograd.gradcheck(attn, (q, k, v), eps=1e-6, atol=1e-6, fast_mode=True)
 
 
 @pytest.mark.parametrize("summary", ["max", "mean"])
@@ -228,7 +228,7 @@ def test_fixed_gradcheck_with_chunked_summaries(causal, summary):
     assert [c.first for c in chunks] == sorted({c.first for c in chunks}) and chunks[-1].stop == n
     if causal:
         assert 1 < len(chunks) < n and all(c.usable == c.stop - 1 for c in chunks)
-    assert torch.autograd.gradcheck(attn, (q, k, v), eps=1e-6, atol=1e-6)
+    assert torch.autograd.gradcheck(attn, (q, k, v), eps=1e-6, atol=1e-6, fast_mode=True)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -249,7 +249,7 @@ def test_gradcheck_with_weight_dropout(name, L, m, causal):
         torch.testing.assert_close(seeded(q, k, v), dropped, atol=0, rtol=0)
         assert not torch.allclose(dropped, attn.eval()(q, k, v))
     attn.train()
-    assert torch.autograd.gradcheck(seeded, (q, k, v), eps=1e-6, atol=1e-6)
+    assert torch.autograd.gradcheck(seeded, (q, k, v), eps=1e-6, atol=1e-6, fast_mode=True)
 
 
 @pytest.mark.parametrize("L", [3, 9, 16, 17, 31])
@@ -422,4 +422,5 @@ def test_logsparse_padded_gradients(causal, summary):
     small = build("combiner_logsparse", causal, summary=summary, head_dim=4)
     q, k, v = random_qkv(B=2, H=1, L=7, D=4, seed=14, requires_grad=True)
     pad = torch.tensor([[False, True, False, False, True, True, False], [False] * 4 + [True] * 3])
-    assert torch.autograd.gradcheck(lambda q, k, v: small(q, k, v, key_padding_mask=pad), (q, k, v), eps=1e-6, atol=1e-6)
+    assert torch.autograd.gradcheck(lambda q, k, v: small(q, k, v, key_padding_mask=pad), (q, k, v), eps=1e-6,
+                                    atol=1e-6, fast_mode=True)

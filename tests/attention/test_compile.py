@@ -5,10 +5,10 @@ well under a second at these sizes. The inputs require grad and the module is in
 ``model.compile=true``: dynamo then traces the backward of every hand-written autograd Function as well. The compiled
 module must give the eager module's output and gradients.
 
-Fast suite: each variant in its first direction (causal where it supports it) on ``attention.backend=auto`` (what
-CPU training runs: the CPU engine where it applies, else explicit); tracing the level loops of the logsparse
-family costs seconds, so the other direction, each backend that runs on CPU by name, and the inference path
-(evaluation mode under ``no_grad``) are in the slow suite. FlexAttention is not compiled here:
+Fast suite: the variants of ``helpers.FAST_VARIANTS`` (one per mechanism) in their first direction (causal where
+supported) on ``attention.backend=auto`` (what CPU training runs: the CPU engine where it applies, else explicit);
+tracing costs up to seconds a case, so the other variants, the other direction, each backend that runs on CPU by
+name, and the inference path (evaluation mode under ``no_grad``) are in the slow suite. FlexAttention is not compiled here:
 on CPU it has no backward (tests/attention/test_flex.py covers it; on CUDA ``make gpu-check`` runs it).
 
 ``KNOWN_BREAKS`` lists, explicitly, the cases that still break the graph, each with its cause; the test checks that
@@ -21,6 +21,7 @@ import copy
 
 import pytest
 import torch
+from conftest import fast_variants_first
 from helpers import CASES, build, modes, random_qkv
 
 from longseq.attention import ATTENTION_REGISTRY
@@ -102,7 +103,7 @@ def check_compiles(name: str, causal: bool, backend: str, training: bool = True)
         torch.testing.assert_close(grad, ref)
 
 
-@pytest.mark.parametrize("name,causal,backend", FAST)
+@pytest.mark.parametrize("name,causal,backend", fast_variants_first(FAST))
 def test_forward_compiles_without_graph_breaks(name, causal, backend):
     check_compiles(name, causal, backend)
 

@@ -9,11 +9,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import CASES, L, build, check_block_size_validation, check_contract, random_qkv, takes_block_size
+from conftest import fast_variants_first
+from helpers import (
+    CASES,
+    L,
+    build,
+    check_block_size_validation,
+    check_contract,
+    random_qkv,
+    takes_block_size,
+)
 
 from longseq.attention import ATTENTION_REGISTRY
 from longseq.attention.ops.geometry import BlockGrid
 from longseq.runner import train
+
+CAUSAL_NAMES = [name for name in sorted(ATTENTION_REGISTRY) if ATTENTION_REGISTRY[name].cls.supports_causal]
 
 
 @pytest.mark.parametrize("name,causal", CASES)
@@ -29,10 +40,12 @@ def test_gradients_reach_inputs(name, causal):
     assert v.grad is not None and torch.isfinite(v.grad).all() and v.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("name", sorted(n for n in ATTENTION_REGISTRY if ATTENTION_REGISTRY[n].cls.supports_causal))
+@pytest.mark.parametrize("name", fast_variants_first(CAUSAL_NAMES))
 def test_trains_three_steps_on_digits(name, make_cfg):
-    """``python train.py task=digits attention=<name> trainer.max_steps=3``, in process. Without the end-of-training
-    sample grid: it took 3 of a run's 8 s, and every attention's decoding is checked in test_decoding.py."""
+    """``python train.py task=digits attention=<name> trainer.max_steps=3``, in process (``helpers.FAST_VARIANTS`` in
+    the fast suite, every other variant in the slow one; every variant's forward and backward are in the contract
+    above). Without the end-of-training sample grid: it took 3 of a run's 8 s, and every attention's decoding is
+    checked in test_decoding.py."""
     metrics = train(make_cfg([f"attention={name}", "trainer.max_steps=3", "test=false",
                               "callbacks.samples.n_samples=0"]))
     assert 0 < metrics["val/bpd"] < 10
@@ -66,7 +79,7 @@ def test_accepts_sdpa_outputs_in_cudas_layout(name, causal, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(n for n in ATTENTION_REGISTRY if ATTENTION_REGISTRY[n].cls.supports_causal))
+@pytest.mark.parametrize("name", CAUSAL_NAMES)
 def test_train_cli_three_steps(name, tmp_path):
     """The literal acceptance command: ``python train.py task=digits attention=<name> trainer.max_steps=3``."""
     import subprocess

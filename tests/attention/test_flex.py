@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from conftest import fast_variants_first
 from devices import requires_cuda
 from helpers import CASES, build, modes, random_qkv
 from host_reads import NoHostReads
@@ -277,11 +278,12 @@ def flex_stand_in():
         yield
 
 
-# tracing costs seconds a case: the fast suite traces each variant's first direction unpadded, the slow suite the rest
+# tracing costs seconds a case: the fast suite traces the first direction, unpadded, of helpers.FAST_VARIANTS, the
+# slow suite every other case
 TRACE_FAST = [(name, causal, padding) for name, causal, padding in PADDED_CASES
               if padding == "none" and causal == modes(name)[0]]
-TRACE_CASES = TRACE_FAST + [pytest.param(*case, marks=pytest.mark.slow) for case in PADDED_CASES
-                            if case not in TRACE_FAST]
+TRACE_CASES = fast_variants_first(TRACE_FAST) + [pytest.param(*case, marks=pytest.mark.slow) for case in PADDED_CASES
+                                                 if case not in TRACE_FAST]
 # the summaries laid out once per query rows (combiner_fixed's case in the fast suite)
 TRACE_COPIED = [pytest.param(name, causal, padding, marks=() if name == "combiner_fixed" else pytest.mark.slow)
                 for name, causal, padding in TRACE_FAST if has_summaries(name, causal)]
