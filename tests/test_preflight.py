@@ -147,6 +147,19 @@ def test_the_wandb_check_leaves_no_wandb_state_behind(files, capsys, monkeypatch
     assert list((files / "wandb").glob("offline-run-*"))
 
 
+def test_a_key_set_after_an_offline_wandb_run_in_the_same_process_is_seen(files, capsys, monkeypatch):
+    """W&B's process-wide setup kept the settings of an earlier offline run (no key), so a key set afterwards (a
+    multirun's next job; the next test on a pytest worker) was not seen and an online run was refused."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    with monkeypatch.context() as offline:
+        offline.setenv("WANDB_MODE", "offline")
+        WandbLogger(offline=True, save_dir=str(files), project="preflight").experiment.finish()
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    argv, checked = preflight_train(["train.py", f"paths.log_dir={files / 'logs'}", *TINY, "logger=wandb"], CONF)
+    assert checked and not (files / "logs").exists()
+
+
 @pytest.fixture
 def checkpoints(tmp_path: Path) -> dict[str, Path]:
     """Checkpoints as eval.py finds them: of an image run and of an LM run (``<run>/checkpoints/last.ckpt`` beside

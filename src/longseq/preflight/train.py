@@ -136,11 +136,13 @@ def check_loggers(cfg: DictConfig) -> None:
             continue
         import wandb
 
+        # W&B's process-wide setup caches the settings it first saw (mode, home, key). Torn down before the login, so
+        # that it reads this process's environment now (after an earlier offline run in the process, a key set since
+        # was not seen), and after it, so that a later offline run (a multirun's next job) does not try to log in.
+        wandb.teardown()
         try:
             logged_in = wandb.login(prompt=False, verify=False)
         finally:
-            # login's setup caches the settings it saw (mode, home) for the whole process: an offline run started
-            # later in it (a test, a multirun job) tried to log in and failed. The check leaves no W&B state behind.
             wandb.teardown()
         if not logged_in:
             raise ConfigError(f"logger.{name}", "W&B has no API key on this machine: run `wandb login` (or set "
