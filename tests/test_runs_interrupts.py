@@ -78,6 +78,7 @@ def test_kill9_mid_epoch_resumes_in_the_same_run_dir(tmp_path):
     assert after[0][1] < before[0][1] - 0.2  # ... well below the untrained loss
 
 
+@pytest.mark.slow  # two CLI runs; the fast set sends the signal in-process (test_runs_resume.py, the same checks)
 def test_sigterm_mid_epoch_saves_and_the_resumed_run_finishes(tmp_path):
     run = tmp_path / "run"
     proc = start(run)

@@ -453,3 +453,40 @@ def test_resuming_a_completed_run_says_so_and_writes_nothing(tmp_path, capsys):
     assert (f"resume: {run} is complete: last.ckpt is at step 2 of trainer.max_steps=2 and its results are in "
             f"{run / 'metrics.json'}; nothing to train") in err
     assert sorted(p.relative_to(run) for p in run.rglob("*")) == before  # no csv/resume1, no re-test
+
+
+def test_a_sigterm_mid_epoch_saves_interrupted_ckpt_and_the_resume_continues_in_place(tmp_path):
+    """test_runs_interrupts.py's CLI case in this process (that one is in the slow suite): a real SIGTERM at step 2,
+    through Lightning's handler (which calls the recorder installed here first, so a process without Lightning's
+    handler records the signal instead of dying), ends the run with exit code 143 and interrupted.ckpt mid-epoch; the
+    resume from it continues in the same directory at the saved step."""
+    run = tmp_path / "run"
+    overrides = [*RESUMABLE, "trainer.max_steps=40"]
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(overrides))  # Hydra writes it at the job's start
+
+    class Terminate(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if trainer.global_step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    received = []
+    original_handler = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    original = runner.instantiate_group
+    try:
+        runner.instantiate_group = lambda group: original(group) + ([Terminate()] if group and "model_checkpoint"
+                                                                    in group else [])
+        with pytest.raises(SystemExit) as stop:
+            runner.train(compose_config(overrides, run, fast=False))
+    finally:
+        runner.instantiate_group = original
+        signal.signal(signal.SIGTERM, original_handler)
+    assert stop.value.code == 143 and received == [signal.SIGTERM]
+    interrupted = run / "checkpoints" / "interrupted.ckpt"
+    step = saved_step(interrupted)
+    assert step >= 2 and torch.load(interrupted, weights_only=False)["epoch"] == 0  # 22 steps an epoch: mid-epoch
+
+    resume([f"ckpt_path={interrupted}", f"trainer.max_steps={step + 3}"], run)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no second run directory
+    assert saved_step(run / "checkpoints" / "last.ckpt") == step + 3
+    assert min(csv_rows(run / "csv" / "resume1" / "metrics.csv", "train/loss")) == step  # the count continues
