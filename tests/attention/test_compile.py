@@ -5,11 +5,11 @@ well under a second at these sizes. The inputs require grad and the module is in
 ``model.compile=true``: dynamo then traces the backward of every hand-written autograd Function as well. The compiled
 module must give the eager module's output and gradients.
 
-Fast suite: the variants of ``helpers.FAST_VARIANTS`` (one per mechanism) in their first direction (causal where
+Fast suite: the variants of ``conftest.FAST_VARIANTS`` (one per mechanism) in their first direction (causal where
 supported) on ``attention.backend=auto`` (what CPU training runs: the CPU engine where it applies, else explicit);
 tracing costs up to seconds a case, so the other variants, the other direction, each backend that runs on CPU by
-name, and the inference path (evaluation mode under ``no_grad``) are in the slow suite. FlexAttention is not compiled here:
-on CPU it has no backward (tests/attention/test_flex.py covers it; on CUDA ``make gpu-check`` runs it).
+name, and the inference path (evaluation mode under ``no_grad``) are in the slow suite. FlexAttention is not
+compiled here: on CPU it has no backward (tests/attention/test_flex.py covers it; on CUDA ``make gpu-check`` runs it).
 
 ``KNOWN_BREAKS`` lists, explicitly, the cases that still break the graph, each with its cause; the test checks that
 each of them still does, so a fix fails the test until the entry is removed.

@@ -42,7 +42,7 @@ def test_gradients_reach_inputs(name, causal):
 
 @pytest.mark.parametrize("name", fast_variants_first(CAUSAL_NAMES))
 def test_trains_three_steps_on_digits(name, make_cfg):
-    """``python train.py task=digits attention=<name> trainer.max_steps=3``, in process (``helpers.FAST_VARIANTS`` in
+    """``python train.py task=digits attention=<name> trainer.max_steps=3``, in process (``conftest.FAST_VARIANTS`` in
     the fast suite, every other variant in the slow one; every variant's forward and backward are in the contract
     above). Without the end-of-training sample grid: it took 3 of a run's 8 s, and every attention's decoding is
     checked in test_decoding.py."""

@@ -278,7 +278,7 @@ def flex_stand_in():
         yield
 
 
-# tracing costs seconds a case: the fast suite traces the first direction, unpadded, of helpers.FAST_VARIANTS, the
+# tracing costs seconds a case: the fast suite traces the first direction, unpadded, of conftest.FAST_VARIANTS, the
 # slow suite every other case
 TRACE_FAST = [(name, causal, padding) for name, causal, padding in PADDED_CASES
               if padding == "none" and causal == modes(name)[0]]
