@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -49,6 +50,21 @@ def fast_variants_first(params: list) -> list:
     ``FAST_VARIANTS`` marked slow."""
     params = [p if isinstance(p, tuple) else (p,) for p in params]
     return [pytest.param(*p, marks=() if p[0] in FAST_VARIANTS else pytest.mark.slow) for p in params]
+
+
+@contextlib.contextmanager
+def injected_callbacks(*callbacks):
+    """Inside, every run's callbacks group (the one holding ``model_checkpoint``) gets ``callbacks`` beside the
+    configured ones: how a test injects a fault or a probe into a real run, a resumed one included."""
+    from longseq import runner
+
+    original = runner.instantiate_group
+    runner.instantiate_group = lambda group: original(group) + (
+        list(callbacks) if group and "model_checkpoint" in group else [])
+    try:
+        yield
+    finally:
+        runner.instantiate_group = original
 
 
 def compose_config(overrides: list[str] | None = None, output_dir: Path | None = None, config_name: str = "train",

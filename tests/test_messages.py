@@ -14,7 +14,7 @@ import sys
 
 import lightning as L
 import pytest
-from conftest import ROOT, compose_config
+from conftest import ROOT, compose_config, injected_callbacks
 from devices import without_gpu, without_torch_xla
 
 from longseq.runner import train
@@ -142,7 +142,6 @@ def test_an_unwritable_checkpoints_folder_reports_the_primary_failure(make_cfg, 
     training, not the follow-up failure to write interrupted.ckpt."""
     import shutil
 
-    from longseq import runner
 
     class BreakFolder(L.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
@@ -151,13 +150,8 @@ def test_an_unwritable_checkpoints_folder_reports_the_primary_failure(make_cfg, 
                 (tmp_path / "checkpoints").write_text("not a folder")
 
     cfg = make_cfg(["trainer.max_steps=6", "callbacks.model_checkpoint.every_n_train_steps=2"])
-    original = runner.instantiate_group
-    runner.instantiate_group = lambda group: original(group) + ([BreakFolder()] if group is cfg.get("callbacks") else [])
-    try:
-        with pytest.raises(Exception) as info:
-            train(cfg)
-    finally:
-        runner.instantiate_group = original
+    with injected_callbacks(BreakFolder()), pytest.raises(Exception) as info:
+        train(cfg)
     assert error_summary(info.value).startswith(f"error: {tmp_path / 'checkpoints' / 'last.ckpt'}: could not write this "
                                                 "checkpoint at step 4 (FileExistsError: ")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from conftest import CONF, ROOT, compose_config
+from conftest import CONF, ROOT, compose_config, injected_callbacks
 
 from longseq import runner
 from longseq.preflight.command import preflight_train
@@ -132,20 +132,10 @@ class Diverge(L.Callback):
                 next(module.parameters()).fill_(float("nan"))
 
 
-def with_callback(cfg, callback):
-    original = runner.instantiate_group
-    runner.instantiate_group = lambda group: original(group) + ([callback] if group is cfg.get("callbacks") else [])
-    return original
-
-
 def test_nan_stops_and_keeps_the_last_finite_checkpoint(make_cfg, tmp_path):
     cfg = make_cfg(["trainer.max_steps=20", "callbacks.model_checkpoint.every_n_train_steps=2"])
-    original = with_callback(cfg, Diverge())
-    try:
-        with pytest.raises(NonFiniteError) as caught:
-            train(cfg)
-    finally:
-        runner.instantiate_group = original
+    with injected_callbacks(Diverge()), pytest.raises(NonFiniteError) as caught:
+        train(cfg)
     assert caught.value.what == "train/loss" and caught.value.step == 5
     assert error_summary(caught.value).startswith("error: train/loss: not finite at step 5")  # train.py's line
     assert "last finite checkpoint" in caught.value.kept and "(step 4)" in caught.value.kept
@@ -248,10 +238,7 @@ def test_a_full_disk_names_the_checkpoint_and_keeps_the_last_complete_one(make_c
                 disk.room = 4096
 
     cfg = make_cfg(["trainer.max_steps=6", "callbacks.model_checkpoint.every_n_train_steps=2"])
-    original = runner.instantiate_group
-    monkeypatch.setattr(runner, "instantiate_group",
-                        lambda group: original(group) + ([FillDisk()] if group is cfg.get("callbacks") else []))
-    with pytest.raises(OSError) as caught:
+    with injected_callbacks(FillDisk()), pytest.raises(OSError) as caught:
         train(cfg)
     last = tmp_path / "checkpoints" / "last.ckpt"
     assert error_summary(caught.value) == (f"error: {last}: could not write this checkpoint at step 4 (OSError: "

@@ -11,9 +11,8 @@ import sys
 
 import lightning as L
 import pytest
-from conftest import ROOT, compose_config
+from conftest import ROOT, compose_config, injected_callbacks
 
-from longseq import runner
 from longseq.callbacks.progress import StepProgressBar
 from longseq.runner import train
 from longseq.utils.resume import WANDB_RUN_DIR
@@ -28,12 +27,8 @@ def test_step_progress_bar_counts_optimizer_steps_to_max_steps(make_cfg):
             bar = next(c for c in trainer.callbacks if isinstance(c, StepProgressBar)).train_progress_bar
             seen.update(total=bar.total, n=bar.n, desc=bar.desc, postfix=bar.postfix)
 
-    original = runner.instantiate_group
-    runner.instantiate_group = lambda group: original(group) + ([Probe()] if group is cfg.get("callbacks") else [])
-    try:
+    with injected_callbacks(Probe()):
         train(cfg)
-    finally:
-        runner.instantiate_group = original
     assert (seen["total"], seen["n"]) == (5, 5)
     assert seen["desc"].startswith("train") and "tokens/s=" in seen["postfix"]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from conftest import CONF, FAST, ROOT, compose_config
+from conftest import CONF, FAST, ROOT, compose_config, injected_callbacks
 from omegaconf import OmegaConf
 
 from longseq import runner
@@ -284,19 +284,15 @@ class Crash(L.Callback):
             raise RuntimeError("node lost")
 
 
-def test_requeued_job_resumes_from_its_newest_checkpoint_in_process(tmp_path, monkeypatch, caplog):
+def test_requeued_job_resumes_from_its_newest_checkpoint_in_process(tmp_path, caplog):
     """train.py's path for a launcher job (resume_requeued, then runner.train), attempt after attempt."""
     job = ["trainer.max_steps=8", "callbacks.model_checkpoint.every_n_train_steps=2", "test=false", *TINY[-2:]]
-    original = runner.instantiate_group
-    monkeypatch.setattr(runner, "instantiate_group",
-                        lambda group: original(group) + ([Crash()] if group and "model_checkpoint" in group else []))
     cfg = compose_config(job, tmp_path)
     assert resume_requeued(cfg, tmp_path, multirun=True).get("ckpt_path") is None  # first attempt: nothing to resume
-    with pytest.raises(RuntimeError, match="node lost"):
+    with injected_callbacks(Crash()), pytest.raises(RuntimeError, match="node lost"):
         runner.train(cfg)
     ckpts = tmp_path / "checkpoints"
     assert (saved_step(ckpts / "last.ckpt"), saved_step(ckpts / "interrupted.ckpt")) == (4, 5)
-    monkeypatch.setattr(runner, "instantiate_group", original)
 
     assert resume_requeued(compose_config(job, tmp_path), tmp_path, multirun=False).get("ckpt_path") is None
     other = resume_requeued(compose_config([*job, "optimizer.lr=0.01"], tmp_path), tmp_path, multirun=True)
@@ -407,18 +403,13 @@ def test_a_resume_applies_optimizer_hyperparameters_and_keeps_the_rest_exact(tmp
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             seen.setdefault(trainer.global_step, [dict(g) for g in trainer.optimizers[0].param_groups])
 
-    original = runner.instantiate_group
-    try:
-        runner.instantiate_group = lambda group: original(group) + ([Probe()] if group and "model_checkpoint" in group
-                                                                    else [])
+    with injected_callbacks(Probe()):
         resume([f"ckpt_path={run}", "trainer.max_steps=3", "optimizer.weight_decay=0.3", "optimizer.betas=[0.8,0.9]"],
                run)
         decay, no_decay = seen[2]
         assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.3, 0.0)
         assert list(decay["betas"]) == list(no_decay["betas"]) == [0.8, 0.9]
         resume([f"ckpt_path={run}", "trainer.max_steps=4"], run)  # only longer: the learning rate is the schedule's
-    finally:
-        runner.instantiate_group = original
     factor = schedule_factor(4, warmup_steps=2, min_lr_ratio=0.1)
     assert seen[3][0]["lr"] == 0.002 * factor(3)  # bit for bit what the schedule gives that step
     assert seen[3][0]["weight_decay"] == 0.3  # the run's own settings now: replayed from its last resume
@@ -472,14 +463,10 @@ def test_a_sigterm_mid_epoch_saves_interrupted_ckpt_and_the_resume_continues_in_
 
     received = []
     original_handler = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
-    original = runner.instantiate_group
     try:
-        runner.instantiate_group = lambda group: original(group) + ([Terminate()] if group and "model_checkpoint"
-                                                                    in group else [])
-        with pytest.raises(SystemExit) as stop:
+        with injected_callbacks(Terminate()), pytest.raises(SystemExit) as stop:
             runner.train(compose_config(overrides, run, fast=False))
     finally:
-        runner.instantiate_group = original
         signal.signal(signal.SIGTERM, original_handler)
     assert stop.value.code == 143 and received == [signal.SIGTERM]
     interrupted = run / "checkpoints" / "interrupted.ckpt"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, compose_config
+from conftest import ROOT, compose_config, injected_callbacks
 from dataset_files import write_cifar10_fixture, write_imagenet64_fixture
 
 from longseq.runner import evaluate, train
@@ -86,12 +86,8 @@ def test_resume_continues_at_same_step_with_optimizer_state(make_cfg, tmp_path):
     second = compose_config(["trainer.max_steps=8", "test=false", f"ckpt_path={last}"], tmp_path / "b")
     from longseq import runner
 
-    original = runner.instantiate_group
-    runner.instantiate_group = lambda group: original(group) + ([Probe()] if group is second.get("callbacks") else [])
-    try:
+    with injected_callbacks(Probe()):
         runner.train(second)
-    finally:
-        runner.instantiate_group = original
     assert seen["step"] == 5
     saved_exp_avg = next(iter(saved["optimizer_states"][0]["state"].values()))["exp_avg"]
     torch.testing.assert_close(seen["exp_avg"], saved_exp_avg)
