@@ -20,10 +20,6 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 sys.path.insert(0, str(Path(__file__).parent))  # attention_checks, fixtures
 
-from longseq.utils.config import register_resolvers  # noqa: E402
-
-register_resolvers()
-
 FAST = [
     "trainer.max_steps=3",
     "trainer.limit_val_batches=1",
@@ -98,6 +94,15 @@ def pytest_configure(config):
         threads = max(1, (os.cpu_count() or 1) // workers)
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)  # the processes a test starts (train.py, DDP ranks, notebooks)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def config_resolvers():
+    """The configs' OmegaConf resolvers, registered in the processes that run tests: importing them at the top of this
+    file took pytest-xdist's controller 11 s (they pull in torch and the models) before it started any worker."""
+    from longseq.utils.config import register_resolvers
+
+    register_resolvers()
 
 
 @pytest.fixture(scope="module")

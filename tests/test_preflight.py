@@ -249,16 +249,20 @@ def cli(args: list[str]) -> subprocess.CompletedProcess:
                           timeout=300, env=env)
 
 
-def test_cli_refusals_exit_1_and_leave_no_directory(tmp_path):
-    """End to end: a refusal of the pre-flight, and one only the run can find: a training split of 90 bytes cannot
-    fill one batch of 4 windows of 64 (the datamodule's check, in the run's set-up); the run directory it had made is
-    removed again, with the folders made for it."""
+@pytest.mark.slow  # 13 s; the same refusal in process: test_train_refuses_before_the_run_directory_exists
+def test_a_cli_refusal_of_the_preflight_exits_1_and_leaves_no_directory(tmp_path):
     logs = tmp_path / "logs"
     out = cli([f"paths.log_dir={logs}", "task.batch_size=abc"])
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.splitlines()[-2] == "error: task.batch_size: must be an integer >= 1 (the global batch), got 'abc'"
     assert not logs.exists()
 
+
+def test_a_cli_refusal_only_the_run_can_find_exits_1_and_removes_its_directory(tmp_path):
+    """End to end: a training split of 90 bytes cannot fill one batch of 4 windows of 64 (the datamodule's check, in
+    the run's set-up, after Hydra made the run directory); that directory is removed again, with the folders made for
+    it."""
+    logs = tmp_path / "logs"
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(b"0123456789" * 10)
     out = cli([f"paths.log_dir={logs}", "task=enwik8", f"task.data.path={corpus}", "task.seq_len=64",
