@@ -142,7 +142,6 @@ def test_an_unwritable_checkpoints_folder_reports_the_primary_failure(make_cfg, 
     training, not the follow-up failure to write interrupted.ckpt."""
     import shutil
 
-
     class BreakFolder(L.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             if trainer.global_step == 3:

@@ -84,10 +84,8 @@ def test_resume_continues_at_same_step_with_optimizer_state(make_cfg, tmp_path):
             seen["exp_avg"] = next(iter(trainer.optimizers[0].state.values()))["exp_avg"].clone()
 
     second = compose_config(["trainer.max_steps=8", "test=false", f"ckpt_path={last}"], tmp_path / "b")
-    from longseq import runner
-
     with injected_callbacks(Probe()):
-        runner.train(second)
+        train(second)
     assert seen["step"] == 5
     saved_exp_avg = next(iter(saved["optimizer_states"][0]["state"].values()))["exp_avg"]
     torch.testing.assert_close(seen["exp_avg"], saved_exp_avg)
