@@ -1,4 +1,5 @@
-"""``PatienceFromMinSteps`` (issue 44): no run stops before ``trainer.min_steps``, and patience counts from there."""
+"""``PatienceFromMinSteps`` (issue 44): no run stops before ``trainer.min_steps``, and patience counts from there (or
+from a later ``patience_from``, before which only a solved run stops)."""
 
 from __future__ import annotations
 
@@ -51,9 +52,9 @@ def stop_step(callback: EarlyStopping, values: list[float], min_steps: int, ever
     return trainer.global_step
 
 
-def rule(cls, patience: int = 3, threshold: float | None = None) -> EarlyStopping:
+def rule(cls, patience: int = 3, threshold: float | None = None, **kwargs) -> EarlyStopping:
     return cls(monitor="val/acc", mode="max", min_delta=0.01, patience=patience, stopping_threshold=threshold,
-               check_on_train_epoch_end=False)
+               check_on_train_epoch_end=False, **kwargs)
 
 
 @pytest.mark.parametrize("min_steps,patience", [(12, 3), (20, 2), (6, 4)])
@@ -74,6 +75,17 @@ def test_an_improving_run_goes_on_and_a_solved_one_stops_at_min_steps_at_the_ear
     assert stop_step(rule(PatienceFromMinSteps, 2), climbing, 8) == 18 + 2 * 2
     assert stop_step(rule(PatienceFromMinSteps, 2, threshold=0.9), [0.95], 10) == 10
     assert stop_step(rule(PatienceFromMinSteps, 2, threshold=0.9), [0.95], 0) == 2  # no min_steps: the first check
+
+
+def test_from_min_steps_only_a_solved_run_stops_and_a_plateau_is_judged_from_patience_from(one_thread):
+    """With patience_from after min_steps: a flat run goes on past min_steps and stops patience validations after
+    patience_from; one at the threshold stops at min_steps; one that reaches it later stops there; with patience_from
+    at the cap, an unsolved run trains to the cap whatever its curve."""
+    flat, climbing = [0.5], [0.1 * i for i in range(1, 10)]  # climbing: 0.9 at step 18, then flat
+    assert stop_step(rule(PatienceFromMinSteps, 2, threshold=0.85, patience_from=30), flat, 6) == 30 + 2 * 2
+    assert stop_step(rule(PatienceFromMinSteps, 2, threshold=0.85, patience_from=30), [0.95], 6) == 6
+    assert stop_step(rule(PatienceFromMinSteps, 2, threshold=0.85, patience_from=30), climbing, 6) == 18
+    assert stop_step(rule(PatienceFromMinSteps, 2, threshold=0.95, patience_from=60), climbing, 6) == 60
 
 
 def test_the_recall_study_stops_with_it(tmp_path):

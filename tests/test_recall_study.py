@@ -70,9 +70,10 @@ def test_every_arm_composes_and_builds_at_both_lengths(tmp_path):
     assert build_module(start).net.blocks[0].attn.attention.window == 16  # issue 33's window at the start, D = 8
 
 
-def test_the_study_trains_to_a_plateau_and_seeds_the_data(tmp_path):
-    """Early stopping on val/acc (patience from min_steps, threshold) under a step cap, for MQAR and the needle alike;
-    the data seed follows the seed; the learning rate comes from recall_lr (the rule otherwise)."""
+def test_the_study_trains_to_its_cap_unless_solved_and_seeds_the_data(tmp_path):
+    """Early stopping on val/acc under a step cap: MQAR's arms stop when solved (from min_steps) and otherwise train to
+    the cap (patience judged from the cap on), the needle keeps issue 33's plateau rule from step 1,500; the data seed
+    follows the seed; the learning rate comes from recall_lr (the rule otherwise)."""
     mqar = compose_config(["experiment=recall/mqar_scattered", "seed=2"], tmp_path, fast=False)
     needle = compose_config(["experiment=recall/needle_long"], tmp_path, fast=False)
     for cfg in (mqar, needle):
@@ -82,12 +83,17 @@ def test_the_study_trains_to_a_plateau_and_seeds_the_data(tmp_path):
         assert 0 < cfg.trainer.min_steps < cfg.trainer.max_steps
         assert cfg.trainer.val_check_interval == cfg.recall_val_every
         assert cfg.task.data.num_train >= cfg.trainer.max_steps * cfg.task.batch_size  # no example seen twice
+    assert mqar.callbacks.early_stopping.patience_from == mqar.trainer.max_steps == 4000
+    assert needle.callbacks.early_stopping.patience_from == needle.trainer.min_steps == 1500
     assert mqar.task.data.seed == 2 and mqar.optimizer.lr == mqar.recall_lr.rule
     assert (needle.task.seq_len, needle.task.num_needles, needle.task.placement) == (1024, 34, "scattered")
     searched = compose_config(["experiment=recall/mqar", "+recall_lr.full=0.01"], tmp_path, fast=False)
     assert searched.optimizer.lr == 0.01
-    for key in ("model", "optimizer", "scheduler", "recall_lr", "callbacks"):
-        assert mqar[key] == compose_config(["experiment=recall/needle"], tmp_path, fast=False)[key]
+    short_needle = compose_config(["experiment=recall/needle"], tmp_path, fast=False)
+    for key in ("model", "optimizer", "scheduler", "recall_lr"):
+        assert mqar[key] == short_needle[key]
+    mqar_stop, needle_stop = (dict(c.callbacks.early_stopping) for c in (mqar, short_needle))
+    assert mqar_stop.pop("patience_from") != needle_stop.pop("patience_from") and mqar_stop == needle_stop
 
 
 def test_early_stopping_ends_a_run_at_its_threshold_not_at_the_cap(make_cfg, tmp_path):
@@ -228,22 +234,26 @@ def test_the_budget_stops_new_jobs_and_adds_up_across_runs_of_the_driver(tmp_pat
     assert study.run_job(job, 1, tmp_path / "console", [], again) == "over budget" and not job.directory.exists()
 
 
-def test_the_plan_fits_its_budget_and_prints_every_stage(capsys, tmp_path):
-    """The stages run fit the 6 h budget at the plan's estimates (each at least its jobs' start-up); the cut stages
-    are listed with their reasons and estimates; the searched stages show their search jobs."""
+def test_the_plan_prints_every_stage_and_says_when_it_exceeds_its_budget(capsys, tmp_path):
+    """The stages run at the plan's estimates (each at least its jobs' start-up); the cut stages are listed with their
+    reasons and estimates; the searched stages show their search jobs. At the measured step times the stages run
+    exceed the 6 h budget (issue 44): the plan says so, and says nothing of it under a budget they fit."""
     stages = study.task_stages("mqar", tmp_path, PLAN)
     run, cut = study.print_plan("mqar", stages, PLAN)
     out = capsys.readouterr().out
     budget = PLAN["tasks"]["mqar"]["budget_hours"]
-    assert 0 < run <= budget and cut > 0
+    assert run > budget and cut > 0 and f"over budget: the stages run need about {run:.2f} h" in out
     kept = [s for s in stages if not s.cut]
     floor = sum(len(s.jobs) for s in kept) * PLAN["estimate"]["startup_s"] / 3600 / PLAN["jobs"]
     assert run > floor
     assert f"about {run:.2f} h at {PLAN['jobs']} at a time" in out and "cut: " in out
     for stage in stages:
         assert stage.experiment in out
-    assert {s.experiment for s in kept} == {"recall/mqar_scattered", "recall/mqar_scattered_long"}
+    assert [s.experiment for s in kept] == ["recall/mqar_scattered"]
     assert all(s.search for s in kept) and len({j.arm for s in kept for j in s.jobs}) == len(STUDY_ARMS)
+    roomy = dict(PLAN, tasks={**PLAN["tasks"], "mqar": dict(PLAN["tasks"]["mqar"], budget_hours=2 * run)})
+    study.print_plan("mqar", stages, roomy)
+    assert "over budget" not in capsys.readouterr().out
 
 
 def test_a_second_driver_on_the_same_study_is_refused(tmp_path):
@@ -433,6 +443,31 @@ def test_the_report_of_a_study_holds_every_section(tmp_path, monkeypatch):
                     "1. the short control's window rule changed"):
         assert section in report
     assert {p.name for p in tmp_path.iterdir()} >= {"accuracy.csv", "curves.csv", "by_distance.csv", "accuracy.png"}
+
+
+def test_time_steps_measures_each_arm_training_and_prints_the_plans_table(tmp_path, capsys, monkeypatch):
+    """--time-steps builds every arm it is asked for at its stage's setting (the command's overrides on top), times
+    its training steps, leaves the process's thread count as it was and prints plan.yaml's step_s rows."""
+    import torch
+
+    from longseq.report import recall_steps
+
+    timed, real = [], recall_steps.step_seconds
+
+    def spy(config, steps=20, warmup=5):
+        threads = torch.get_num_threads()
+        seconds = real(config, steps=2, warmup=1)
+        timed.append((config.recall_arm, config.task.seq_len, seconds, torch.get_num_threads() == threads))
+        return seconds
+
+    monkeypatch.setattr(recall_steps, "step_seconds", spy)
+    tiny = ["task.seq_len=64", "task.num_pairs=4", "task.vocab_size=128", "model.d_model=16"]
+    assert study.main(["mqar", "--root", str(tmp_path), "--time-steps", "--only", "full,combiner_fixed,task.num_pairs=8",
+                       *tiny]) == 0
+    assert [(arm, length) for arm, length, _, _ in timed] == [("full", 64), ("combiner_fixed", 64)]
+    assert all(seconds > 0 and kept for _, _, seconds, kept in timed)
+    assert capsys.readouterr().out.endswith(
+        f"step_s:\n  64: {{full: {round(timed[0][2], 3)}, combiner_fixed: {round(timed[1][2], 3)}}}\n")
 
 
 @pytest.mark.slow

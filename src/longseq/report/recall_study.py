@@ -27,7 +27,8 @@ removed and run again; one that failed on its own is left as it is (``--retry-fa
 ``--plan`` prints the jobs and the estimated wall time per stage and in all (``estimate`` of plan.yaml) and the tasks
 cut to keep the budget; ``--status`` what is done / failed / left and the time spent; ``--structure`` the structural
 column of every arm at every setting of the plan, at the setting's placement and at ``start`` (no training:
-``longseq.report.recall_structure``). At the end (and with ``--report`` alone) ``longseq.report.recall_report``
+``longseq.report.recall_structure``); ``--time-steps`` the seconds per training step of every arm at every length
+it runs (the table of plan.yaml's ``estimate.step_s``, ``longseq.report.recall_steps``). At the end (and with ``--report`` alone) ``longseq.report.recall_report``
 writes ``<root>/report.md``, its CSV files and figures (``--figures DIR`` copies the figures, prefixed
 ``recall_<task>_``).
 """
@@ -534,6 +535,10 @@ def print_plan(task: str, stages: list[Stage], plan: dict) -> tuple[float, float
     print(f"{task}: {sum(len(s.jobs) for s in run)} jobs, about {totals[False]:.2f} h at {plan['jobs']} at a time "
           f"(budget {limit} h: the driver starts no job after it); cut: "
           f"{sum(len(s.jobs) for s in stages if s.cut)} jobs, about {totals[True]:.2f} h")
+    if totals[False] > limit:
+        print(f"over budget: the stages run need about {totals[False]:.2f} h, {totals[False] / limit:.1f} times the "
+              f"{limit} h; the driver stops starting jobs when those are spent, so their last jobs are not run "
+              "(--budget-hours sets another)")
     return totals[False], totals[True]
 
 
@@ -615,6 +620,26 @@ def print_structure(task: str, stages: list[Stage], plan: dict, count: int) -> N
                 print(f"{stage.experiment} {dict(setting)} at {label}: alone / direct: " + "; ".join(cells), flush=True)
 
 
+def print_step_times(stages: list[Stage], overrides: list[str], include_cut: bool) -> dict[int, dict[str, float]]:
+    """Seconds per training step of every arm at every length of the stages run (the cut ones too with
+    ``include_cut``), printed as plan.yaml's ``estimate.step_s`` rows; one arm at a time, on one thread."""
+    from longseq.report.recall_steps import step_seconds
+
+    times: dict[int, dict[str, float]] = {}
+    for stage in (s for s in stages if include_cut or not s.cut):
+        for setting in settings_in_order(stage):
+            for arm in dict.fromkeys(j.arm for j in stage.jobs if setting_of(j) == setting):
+                config = compose_stage(stage.experiment, [*(f"{k}={v}" for k, v in setting),
+                                                          f"{ARM_GROUP}={arm}", *overrides])
+                row = times.setdefault(int(config.task.seq_len), {})
+                if arm not in row:  # the step time of an arm at a length (the pair count barely changes it)
+                    row[arm] = round(step_seconds(config), 3)
+                    print(f"{stage.experiment} {arm} L = {config.task.seq_len}: {row[arm]} s a step", flush=True)
+    print("step_s:\n" + "".join(f"  {length}: {{{', '.join(f'{a}: {s}' for a, s in row.items())}}}\n"
+                                for length, row in times.items()), end="")
+    return times
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m longseq.report.recall_study",
                                      description=__doc__.split("\n\n")[0])
@@ -626,6 +651,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plan", action="store_true", help="list the stages, their jobs and the estimate; exit")
     parser.add_argument("--status", action="store_true", help="list done / failed / left and the time spent; exit")
     parser.add_argument("--structure", action="store_true", help="print every arm's structural column; exit")
+    parser.add_argument("--time-steps", action="store_true", help="measure every arm's seconds a training step (the "
+                                                                  "plan's estimate.step_s); exit")
     parser.add_argument("--report", action="store_true", help="only write the tables and figures of what is done")
     parser.add_argument("--retry-failed", action="store_true", help="run failed jobs again")
     parser.add_argument("--include-cut", action="store_true", help="also run the stages plan.yaml cuts (after the "
@@ -652,6 +679,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.structure:
         print_structure(args.task, stages, plan, count=500)
+        return 0
+    if args.time_steps:
+        print_step_times(stages, args.overrides, args.include_cut)
         return 0
     budget = Budget(root, args.budget_hours if args.budget_hours is not None else spec["budget_hours"])
     keys = spec["lr_keys"]
