@@ -88,6 +88,30 @@ def test_from_min_steps_only_a_solved_run_stops_and_a_plateau_is_judged_from_pat
     assert stop_step(rule(PatienceFromMinSteps, 2, threshold=0.95, patience_from=60), climbing, 6) == 60
 
 
+@pytest.mark.parametrize("mode,flat,solved", [("max", 0.5, 0.95), ("min", 2.0, 0.05)])
+def test_inside_the_window_a_non_finite_or_solved_metric_stops_in_either_mode(mode, flat, solved, one_thread):
+    """Before patience_from the stops that need no history still apply: a NaN metric stops the run at min_steps
+    (check_finite), as a solved one does in either direction; a flat one goes on to patience_from."""
+    threshold = 0.9 if mode == "max" else 0.1
+
+    def judged(values):
+        callback = PatienceFromMinSteps(monitor="val/acc", mode=mode, min_delta=0.01, patience=2,
+                                        stopping_threshold=threshold, check_on_train_epoch_end=False,
+                                        patience_from=30)
+        return stop_step(callback, values, 6)
+
+    assert judged([float("nan")]) == 6 and judged([solved]) == 6 and judged([flat]) == 30 + 2 * 2
+
+
+def test_a_metric_that_is_never_logged_fails_at_min_steps_under_strict(one_thread):
+    """strict=True (Lightning's default) names a monitored metric that is never logged at the first validation it
+    judges (min_steps), not at patience_from: a misnamed metric would otherwise cost the whole run."""
+    callback = PatienceFromMinSteps(monitor="val/typo", mode="max", patience=2, check_on_train_epoch_end=False,
+                                    patience_from=30)
+    with pytest.raises(RuntimeError, match="val/typo"):
+        stop_step(callback, [0.5], 6, cap=20)  # the cap before patience_from: only a check from min_steps raises
+
+
 def test_the_recall_study_stops_with_it(tmp_path):
     from conftest import compose_config
 

@@ -93,7 +93,8 @@ def test_the_study_trains_to_its_cap_unless_solved_and_seeds_the_data(tmp_path):
     for key in ("model", "optimizer", "scheduler", "recall_lr"):
         assert mqar[key] == short_needle[key]
     mqar_stop, needle_stop = (dict(c.callbacks.early_stopping) for c in (mqar, short_needle))
-    assert mqar_stop.pop("patience_from") != needle_stop.pop("patience_from") and mqar_stop == needle_stop
+    assert mqar_stop["patience_from"] != needle_stop["patience_from"]
+    assert {**mqar_stop, "patience_from": None} == {**needle_stop, "patience_from": None}
 
 
 def test_early_stopping_ends_a_run_at_its_threshold_not_at_the_cap(make_cfg, tmp_path):
@@ -236,13 +237,12 @@ def test_the_budget_stops_new_jobs_and_adds_up_across_runs_of_the_driver(tmp_pat
 
 def test_the_plan_prints_every_stage_and_says_when_it_exceeds_its_budget(capsys, tmp_path):
     """The stages run at the plan's estimates (each at least its jobs' start-up); the cut stages are listed with their
-    reasons and estimates; the searched stages show their search jobs. At the measured step times the stages run
-    exceed the 6 h budget (issue 44): the plan says so, and says nothing of it under a budget they fit."""
+    reasons and estimates; the searched stages show their search jobs. Under a budget the stages run exceed, the plan
+    says so with the factor; under one they fit, it says nothing of it."""
     stages = study.task_stages("mqar", tmp_path, PLAN)
     run, cut = study.print_plan("mqar", stages, PLAN)
     out = capsys.readouterr().out
-    budget = PLAN["tasks"]["mqar"]["budget_hours"]
-    assert run > budget and cut > 0 and f"over budget: the stages run need about {run:.2f} h" in out
+    assert run > 0 and cut > 0
     kept = [s for s in stages if not s.cut]
     floor = sum(len(s.jobs) for s in kept) * PLAN["estimate"]["startup_s"] / 3600 / PLAN["jobs"]
     assert run > floor
@@ -251,9 +251,14 @@ def test_the_plan_prints_every_stage_and_says_when_it_exceeds_its_budget(capsys,
         assert stage.experiment in out
     assert [s.experiment for s in kept] == ["recall/mqar_scattered"]
     assert all(s.search for s in kept) and len({j.arm for s in kept for j in s.jobs}) == len(STUDY_ARMS)
-    roomy = dict(PLAN, tasks={**PLAN["tasks"], "mqar": dict(PLAN["tasks"]["mqar"], budget_hours=2 * run)})
-    study.print_plan("mqar", stages, roomy)
-    assert "over budget" not in capsys.readouterr().out
+
+    def with_budget(hours: float) -> str:
+        plan = dict(PLAN, tasks={**PLAN["tasks"], "mqar": dict(PLAN["tasks"]["mqar"], budget_hours=hours)})
+        study.print_plan("mqar", stages, plan)
+        return capsys.readouterr().out
+
+    assert f"over budget: the stages run need about {run:.2f} h, 2.0 times the {run / 2} h" in with_budget(run / 2)
+    assert "over budget" not in with_budget(2 * run)
 
 
 def test_a_second_driver_on_the_same_study_is_refused(tmp_path):

@@ -458,7 +458,7 @@ def write_study_report(task: str, root: Path, study: StudyRuns, plan: dict, arms
                 "NA: the arm has no regions, or no geometry at all). The guessing floor and the controls of every "
                 "setting (conf/recall/plan.yaml) below the arms; a setting whose controls fail is not trained. "
                 f"Columns marked with {BESIDE}'s recipe are its runs (one rate for every setting, patience from the "
-                "first validation), read beside this study's.\n"]
+                "first validation, caps of 2,000 / 2,500 steps), read beside this study's.\n"]
     for values in groups:
         part = study.subset(keys, values)
         title = ", ".join(f"{SHORT_NAMES.get(k, k)} = {v}" for k, v in zip(keys, values))
@@ -468,8 +468,8 @@ def write_study_report(task: str, root: Path, study: StudyRuns, plan: dict, arms
                  "seeds). With fillers from the whole vocabulary a value in the example need not be a pair's.\n",
                  answers_table(study, arms),
                  "\n## Steps trained\n",
-                 "Mean over seeds (each seed's where they differ): where early stopping, which judges from "
-                 "trainer.min_steps on, or the cap ended the runs.\n",
+                 "Mean over seeds (each seed's where they differ): where early stopping (a solved run from "
+                 "trainer.min_steps on, a plateau from its patience_from) or the cap ended the runs.\n",
                  steps_table(study, arms),
                  "\n## Learning rate per arm and setting\n",
                  "Best validation accuracy of each searched rate on seed 1 (bold: the rate chosen, whose run is the "

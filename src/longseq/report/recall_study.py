@@ -27,10 +27,10 @@ removed and run again; one that failed on its own is left as it is (``--retry-fa
 ``--plan`` prints the jobs and the estimated wall time per stage and in all (``estimate`` of plan.yaml) and the tasks
 cut to keep the budget; ``--status`` what is done / failed / left and the time spent; ``--structure`` the structural
 column of every arm at every setting of the plan, at the setting's placement and at ``start`` (no training:
-``longseq.report.recall_structure``); ``--time-steps`` the seconds per training step of every arm at every length
-it runs (the table of plan.yaml's ``estimate.step_s``, ``longseq.report.recall_steps``). At the end (and with ``--report`` alone) ``longseq.report.recall_report``
-writes ``<root>/report.md``, its CSV files and figures (``--figures DIR`` copies the figures, prefixed
-``recall_<task>_``).
+``longseq.report.recall_structure``); ``--time-steps`` the seconds per training step of every arm at every
+length it runs (the table of plan.yaml's ``estimate.step_s``, ``longseq.report.recall_steps``). At the end (and with
+``--report`` alone) ``longseq.report.recall_report`` writes ``<root>/report.md``, its CSV files and figures
+(``--figures DIR`` copies the figures, prefixed ``recall_<task>_``).
 """
 
 from __future__ import annotations
@@ -489,22 +489,23 @@ def print_status(stages: list[Stage], budget: Budget | None = None) -> int:
 # The plan's estimate
 
 
-def job_seconds(arm: str, length: int, estimate: dict) -> float:
-    """Estimated wall seconds of one job (plan.yaml ``estimate``): start-up + expected steps x the arm's step time x the
-    validation factor."""
-    steps = estimate["steps"][length]
+def job_seconds(task: str, arm: str, length: int, estimate: dict) -> float:
+    """Estimated wall seconds of one job of ``task`` (plan.yaml ``estimate``): start-up + the task's expected steps x
+    the arm's step time x the validation factor."""
+    steps = estimate["steps"][task][length]
     step_s = estimate["step_s"][length]
     if arm not in step_s:
         raise KeyError(f"conf/recall/plan.yaml: estimate.step_s.{length} has no {arm!r}")
     return estimate["startup_s"] + steps.get(arm, steps["default"]) * step_s[arm] * estimate["validation"]
 
 
-def stage_estimate(stage: Stage, plan: dict) -> tuple[int, int, float]:
-    """(search jobs, other jobs, estimated hours at ``plan.jobs`` at a time) of one stage (plan.yaml ``estimate``)."""
+def stage_estimate(task: str, stage: Stage, plan: dict) -> tuple[int, int, float]:
+    """(search jobs, other jobs, estimated hours at ``plan.jobs`` at a time) of one stage of ``task`` (plan.yaml
+    ``estimate``)."""
     seconds = 0.0
     for job in stage.jobs:
         length = int(job.setting(["task.seq_len"])[0])
-        seconds += job_seconds(job.arm, length, plan["estimate"])
+        seconds += job_seconds(task, job.arm, length, plan["estimate"])
     search = sum(j.search for j in stage.jobs)
     return search, len(stage.jobs) - search, seconds / 3600 / plan["jobs"]
 
@@ -520,7 +521,7 @@ def print_plan(task: str, stages: list[Stage], plan: dict) -> tuple[float, float
             print("cut to keep the budget (python -m longseq.report.recall_study "
                   f"{task} --include-cut --budget-hours H runs them):")
         for stage in chosen:
-            search, other, hours = stage_estimate(stage, plan)
+            search, other, hours = stage_estimate(task, stage, plan)
             totals[cut] += hours
             settings = len(settings_in_order(stage))
             arms = len({j.arm for j in stage.jobs})
@@ -599,25 +600,30 @@ def hold_study_lock(root: Path):
     return handle
 
 
+def arms_by_setting(stages: list[Stage]):
+    """(stage, setting, its arms in sweep order) for every setting of ``stages``."""
+    for stage in stages:
+        for setting in settings_in_order(stage):
+            yield stage, setting, list(dict.fromkeys(j.arm for j in stage.jobs if setting_of(j) == setting))
+
+
 def print_structure(task: str, stages: list[Stage], plan: dict, count: int) -> None:
     """The structural column of every arm at every setting of the task's stages, at the setting's placement and at
     ``start`` (``longseq.report.recall_structure``; no training)."""
     from longseq.report.recall_structure import structure_of_config
 
-    for stage in stages:
-        for setting in settings_in_order(stage):
-            arms = list(dict.fromkeys(j.arm for j in stage.jobs if setting_of(j) == setting))
-            placement = dict(setting).get("task.placement", stage_default(stage.experiment, "task.placement"))
-            variants = [(placement, [])] if placement == "start" else [
-                (placement, []), ("start", ["task.placement=start", "task.filler=unused_keys"])]
-            for label, extra in variants:
-                cells = []
-                for arm in arms:
-                    replaced = ("task.placement", "task.filler") if extra else ()
-                    overrides = [f"{k}={v}" for k, v in setting if k not in replaced]
-                    config = compose_stage(stage.experiment, [*overrides, f"{ARM_GROUP}={arm}", *extra])
-                    cells.append(f"{arm} {structure_of_config(config, count).cell()}")
-                print(f"{stage.experiment} {dict(setting)} at {label}: alone / direct: " + "; ".join(cells), flush=True)
+    for stage, setting, arms in arms_by_setting(stages):
+        placement = dict(setting).get("task.placement", stage_default(stage.experiment, "task.placement"))
+        variants = [(placement, [])] if placement == "start" else [
+            (placement, []), ("start", ["task.placement=start", "task.filler=unused_keys"])]
+        for label, extra in variants:
+            cells = []
+            for arm in arms:
+                replaced = ("task.placement", "task.filler") if extra else ()
+                overrides = [f"{k}={v}" for k, v in setting if k not in replaced]
+                config = compose_stage(stage.experiment, [*overrides, f"{ARM_GROUP}={arm}", *extra])
+                cells.append(f"{arm} {structure_of_config(config, count).cell()}")
+            print(f"{stage.experiment} {dict(setting)} at {label}: alone / direct: " + "; ".join(cells), flush=True)
 
 
 def print_step_times(stages: list[Stage], overrides: list[str], include_cut: bool) -> dict[int, dict[str, float]]:
@@ -626,15 +632,14 @@ def print_step_times(stages: list[Stage], overrides: list[str], include_cut: boo
     from longseq.report.recall_steps import step_seconds
 
     times: dict[int, dict[str, float]] = {}
-    for stage in (s for s in stages if include_cut or not s.cut):
-        for setting in settings_in_order(stage):
-            for arm in dict.fromkeys(j.arm for j in stage.jobs if setting_of(j) == setting):
-                config = compose_stage(stage.experiment, [*(f"{k}={v}" for k, v in setting),
-                                                          f"{ARM_GROUP}={arm}", *overrides])
-                row = times.setdefault(int(config.task.seq_len), {})
-                if arm not in row:  # the step time of an arm at a length (the pair count barely changes it)
-                    row[arm] = round(step_seconds(config), 3)
-                    print(f"{stage.experiment} {arm} L = {config.task.seq_len}: {row[arm]} s a step", flush=True)
+    for stage, setting, arms in arms_by_setting([s for s in stages if include_cut or not s.cut]):
+        for arm in arms:
+            config = compose_stage(stage.experiment, [*(f"{k}={v}" for k, v in setting), f"{ARM_GROUP}={arm}",
+                                                      *overrides])
+            row = times.setdefault(int(config.task.seq_len), {})
+            if arm not in row:  # the step time of an arm at a length (the pair count barely changes it)
+                row[arm] = round(step_seconds(config), 3)
+                print(f"{stage.experiment} {arm} L = {config.task.seq_len}: {row[arm]} s a step", flush=True)
     print("step_s:\n" + "".join(f"  {length}: {{{', '.join(f'{a}: {s}' for a, s in row.items())}}}\n"
                                 for length, row in times.items()), end="")
     return times
