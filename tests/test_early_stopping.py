@@ -52,8 +52,8 @@ def stop_step(callback: EarlyStopping, values: list[float], min_steps: int, ever
     return trainer.global_step
 
 
-def rule(cls, patience: int = 3, threshold: float | None = None, **kwargs) -> EarlyStopping:
-    return cls(monitor="val/acc", mode="max", min_delta=0.01, patience=patience, stopping_threshold=threshold,
+def rule(cls, patience: int = 3, threshold: float | None = None, mode: str = "max", **kwargs) -> EarlyStopping:
+    return cls(monitor="val/acc", mode=mode, min_delta=0.01, patience=patience, stopping_threshold=threshold,
                check_on_train_epoch_end=False, **kwargs)
 
 
@@ -95,10 +95,7 @@ def test_inside_the_window_a_non_finite_or_solved_metric_stops_in_either_mode(mo
     threshold = 0.9 if mode == "max" else 0.1
 
     def judged(values):
-        callback = PatienceFromMinSteps(monitor="val/acc", mode=mode, min_delta=0.01, patience=2,
-                                        stopping_threshold=threshold, check_on_train_epoch_end=False,
-                                        patience_from=30)
-        return stop_step(callback, values, 6)
+        return stop_step(rule(PatienceFromMinSteps, 2, threshold, mode, patience_from=30), values, 6)
 
     assert judged([float("nan")]) == 6 and judged([solved]) == 6 and judged([flat]) == 30 + 2 * 2
 

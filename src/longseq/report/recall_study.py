@@ -626,7 +626,7 @@ def print_structure(task: str, stages: list[Stage], plan: dict, count: int) -> N
             print(f"{stage.experiment} {dict(setting)} at {label}: alone / direct: " + "; ".join(cells), flush=True)
 
 
-def print_step_times(stages: list[Stage], overrides: list[str], include_cut: bool) -> dict[int, dict[str, float]]:
+def print_step_times(stages: list[Stage], overrides: list[str], include_cut: bool) -> None:
     """Seconds per training step of every arm at every length of the stages run (the cut ones too with
     ``include_cut``), printed as plan.yaml's ``estimate.step_s`` rows; one arm at a time, on one thread."""
     from longseq.report.recall_steps import step_seconds
@@ -642,7 +642,6 @@ def print_step_times(stages: list[Stage], overrides: list[str], include_cut: boo
                 print(f"{stage.experiment} {arm} L = {config.task.seq_len}: {row[arm]} s a step", flush=True)
     print("step_s:\n" + "".join(f"  {length}: {{{', '.join(f'{a}: {s}' for a, s in row.items())}}}\n"
                                 for length, row in times.items()), end="")
-    return times
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
